@@ -1,0 +1,148 @@
+"""One frozen configuration, built once at start-up from KVBM's environment variables.
+
+Variable names are KVBM's own (``DYN_KVBM_*``), so a deployment that already
+configures KVBM for vLLM or TensorRT-LLM configures this library the same way.
+Every value is parsed and range-checked here; a bad one raises
+:class:`ConfigError` naming the variable and how to fix it, before any memory
+is allocated or any request is served.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import math
+import os
+from typing import Any, Callable, Mapping, Optional
+
+logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, malformed or out of range."""
+
+
+def _positive_float(name: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number: set it to a size in GiB, e.g. {name}=4") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{name}={raw!r} must be a positive size in GiB, e.g. {name}=4; unset it to disable the tier")
+    return value
+
+
+def _positive_int(name: str, raw: str) -> int:
+    try:
+        value = int(raw, 10)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a whole number: set it to a block count, e.g. {name}=1024") from None
+    if value <= 0:
+        raise ConfigError(f"{name}={raw!r} must be at least 1; unset it to size the tier in GiB instead")
+    return value
+
+
+def _priority(name: str, raw: str) -> int:
+    try:
+        value = int(raw, 10)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a whole number: set a priority from 0 to 100, e.g. {name}=50") from None
+    if not 0 <= value <= 100:
+        raise ConfigError(f"{name}={raw!r} is out of range: set a priority from 0 to 100 (0 offloads everything)")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class _Var:
+    env: str
+    field: str
+    parse: Callable[[str, str], Any]
+    doc: str
+
+
+# The variables this library reads, in the order a person would set them.
+_VARS: tuple[_Var, ...] = (
+    _Var("DYN_KVBM_CPU_CACHE_GB", "cpu_cache_gb", _positive_float, "host (G2) tier size in GiB"),
+    _Var(
+        "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS",
+        "cpu_cache_blocks",
+        _positive_int,
+        "host (G2) tier size in blocks; overrides DYN_KVBM_CPU_CACHE_GB",
+    ),
+    _Var(
+        "DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY",
+        "host_offload_min_priority",
+        _priority,
+        "requests below this priority (0-100) are not offloaded to host",
+    ),
+)
+_BY_ENV = {v.env: v for v in _VARS}
+
+# KVBM variables that belong to parts this library does not run (or runs through
+# the kvbm package itself); accepted without a warning.
+_KVBM_PASSTHROUGH = frozenset(
+    {
+        "DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS",
+        "DYN_KVBM_METRICS",
+        "DYN_KVBM_METRICS_PORT",
+    }
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class KvbmConfig:
+    """What the tiers look like. Build it with :meth:`from_env` (or directly, in code)."""
+
+    cpu_cache_gb: Optional[float] = None
+    cpu_cache_blocks: Optional[int] = None
+    host_offload_min_priority: int = 0
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "KvbmConfig":
+        """Read every ``DYN_KVBM_*`` variable this library knows; raise on a bad one."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for name, raw in environ.items():
+            if not name.startswith("DYN_KVBM_"):
+                continue
+            var = _BY_ENV.get(name)
+            if var is None:
+                if name not in _KVBM_PASSTHROUGH:
+                    close = difflib.get_close_matches(name, list(_BY_ENV) + list(_KVBM_PASSTHROUGH), n=1)
+                    hint = f" (did you mean {close[0]}?)" if close else ""
+                    logger.warning("kvbm: %s is not a variable sglang-kvbm reads; ignoring it%s", name, hint)
+                continue
+            if raw.strip() == "":
+                continue
+            values[var.field] = var.parse(name, raw.strip())
+        return cls(**values)
+
+    def host_blocks(self, block_bytes: int) -> int:
+        """Blocks in the host tier for blocks of ``block_bytes`` (0 when the tier is off)."""
+        if self.cpu_cache_blocks is not None:
+            return self.cpu_cache_blocks
+        if self.cpu_cache_gb is None:
+            return 0
+        blocks = int(self.cpu_cache_gb * GIB) // block_bytes
+        if blocks == 0:
+            raise ConfigError(
+                f"DYN_KVBM_CPU_CACHE_GB={self.cpu_cache_gb} holds no block of {block_bytes} bytes: "
+                f"raise it to at least {block_bytes / GIB:.6f}"
+            )
+        return blocks
+
+    def require_a_tier(self) -> None:
+        """Fail when no tier below the device is configured: the backend would do nothing."""
+        if self.cpu_cache_gb is None and self.cpu_cache_blocks is None:
+            raise ConfigError(
+                "--radix-cache-backend kvbm needs a host tier: set DYN_KVBM_CPU_CACHE_GB "
+                "(GiB, e.g. DYN_KVBM_CPU_CACHE_GB=4) or DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS"
+            )
+
+    @staticmethod
+    def variables() -> tuple[tuple[str, str], ...]:
+        """``(name, meaning)`` of every variable read, for docs and ``doctor``."""
+        return tuple((v.env, v.doc) for v in _VARS)

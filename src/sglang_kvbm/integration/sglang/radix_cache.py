@@ -1,0 +1,230 @@
+"""``KvbmRadixCache``: SGLang's ``RadixCache`` with KVBM tiers below it.
+
+It follows SGLang's host-hit contract (the one ``FlexKVRadixCache`` uses):
+
+* ``insert`` (every checkpoint of a request) wraps the pages it added as blocks
+  and starts their copy down; the node is locked until the copy has read them,
+  so evicting it can never free a page a copy is still reading.
+* ``match_prefix`` extends the device match with the pages the lower tiers hold
+  (``host_hit_length``); ``init_load_back`` then allocates device pages, copies
+  the KV back (all or nothing) and hangs a new node under the device match.
+* eviction frees device pages as usual; the lower-tier copies stay.
+
+Completions are drained where the scheduler calls the cache: a
+``--radix-cache-backend`` cache is not polled per step (only HiCache, FlexKV and
+LMCache are). Every entry point the scheduler uses each step, plus
+``take_events`` (which the event publisher calls after each step and when
+idle), drains first. That keeps the plugin free of scheduler hooks; the only
+cost is that with events off, an idle server releases its copy locks on the
+next request rather than at once, which holds no memory anyone is waiting for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from array import array
+from typing import Optional
+
+from sglang.srt.mem_cache.base_prefix_cache import (
+    CacheRequestHandle,
+    EvictParams,
+    EvictResult,
+    InitLoadBackParams,
+    InsertParams,
+    InsertResult,
+    MatchPrefixParams,
+    MatchResult,
+)
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
+from sglang.srt.mem_cache.utils import compute_node_hash_values, get_storage_hash_str
+
+from sglang_kvbm.core.connector import KvbmConnector
+from sglang_kvbm.core.identity import BlockId
+from sglang_kvbm.core.ports import BlockMeta, PageStore
+from sglang_kvbm.integration.sglang.events import SglangEventSink, page_event_identities
+
+
+@dataclasses.dataclass(frozen=True)
+class _LoadMarker:
+    """What ``match_prefix`` promised, for the ``init_load_back`` that follows.
+
+    ``key`` is a snapshot: the request's live key grows as it decodes.
+    """
+
+    block_ids: tuple[BlockId, ...]
+    key: RadixKey
+    device_len: int
+
+
+class KvbmRadixCache(RadixCache):
+    """A radix cache whose evicted pages live on in KVBM's host (and disk) tiers."""
+
+    def __init__(self, params: CacheInitParams, connector: KvbmConnector, sink: SglangEventSink) -> None:
+        if params.is_eagle:
+            raise ValueError("--radix-cache-backend kvbm does not support EAGLE speculative decoding yet")
+        # Set before RadixCache.__init__, which calls reset().
+        self._kvbm = connector
+        self._markers: dict[CacheRequestHandle, _LoadMarker] = {}
+        super().__init__(params)
+        sink.bind(self.kv_events)
+
+    @property
+    def connector(self) -> KvbmConnector:
+        return self._kvbm
+
+    # -- storing -----------------------------------------------------------
+
+    def insert(self, params: InsertParams) -> InsertResult:
+        self._kvbm.poll()
+        result = super().insert(params)
+        if not self.disable and result.last_device_node is not None:
+            self._wrap_new_pages(result.last_device_node, params.priority or 0)
+        return result
+
+    def _wrap_new_pages(self, leaf: TreeNode, priority: int) -> None:
+        """Wrap the pages on the path to ``leaf`` that are not blocks yet, and offload them."""
+        fresh: list[TreeNode] = []
+        node = leaf
+        while node is not self.root_node:
+            if node.hash_value and self._kvbm.holds(node.hash_value[-1]):
+                break  # nodes are wrapped whole, and every ancestor of a wrapped node is wrapped
+            fresh.append(node)
+            node = node.parent
+        if not fresh:
+            return
+        pages: list[PageStore] = []
+        for node in reversed(fresh):  # parents first: a node's hashes chain from its parent's
+            if node.hash_value is None:
+                node.hash_value = compute_node_hash_values(node, self.page_size)
+            pages.extend(self._page_stores(node))
+        self._offload(leaf, pages, priority)
+
+    def _offload(self, leaf: TreeNode, pages: list[PageStore], priority: int) -> None:
+        """Hand pages to the connector; lock ``leaf`` (and so its path) while a copy reads them."""
+        if self._kvbm.store(pages, priority=priority, on_offloaded=functools.partial(self.dec_lock_ref, leaf)):
+            self.inc_lock_ref(leaf)
+
+    def _page_stores(self, node: TreeNode) -> list[PageStore]:
+        ps = self.page_size
+        device_pages = (node.value[::ps] // ps).tolist()
+        tokens = node.key.token_ids
+        events = page_event_identities(self.kv_events, node)
+        return [
+            PageStore(
+                BlockMeta(block_id, tuple(tokens[i * ps : (i + 1) * ps]), events[i] if events else None),
+                device_page,
+            )
+            for i, (block_id, device_page) in enumerate(zip(node.hash_value, device_pages))
+        ]
+
+    # -- matching and loading back -----------------------------------------
+
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        self._kvbm.poll()
+        result = super().match_prefix(params)
+        req = params.req
+        if req is None or self.disable:
+            return result  # the tree's own internal matches (checkpoint) never load
+        self._markers.pop(req.cache_request_handle, None)
+        key = params.key.page_aligned(self.page_size)
+        device_len = result.device_prefix_len
+        if len(key) - device_len < self.page_size:
+            return result
+        rest = key[device_len:]
+        block_ids = self._hashes_after(result.last_device_node, rest)
+        hit = self._kvbm.lookup(block_ids)
+        if hit == 0:
+            return result
+        n = hit * self.page_size
+        snapshot = RadixKey(array("q", rest.token_ids[:n]), rest.extra_key, cache_salt=rest.cache_salt)
+        self._markers[req.cache_request_handle] = _LoadMarker(tuple(block_ids[:hit]), snapshot, device_len)
+        return result._replace(host_hit_length=n)
+
+    def _hashes_after(self, node: TreeNode, key: RadixKey) -> list[BlockId]:
+        """Block ids of ``key``'s pages, chained from the last page under ``node``."""
+        prior = None
+        if node is not self.root_node:
+            if node.hash_value is None:
+                node.hash_value = compute_node_hash_values(node, self.page_size)
+            prior = node.hash_value[-1]
+        return get_storage_hash_str(key, prior, page_size=self.page_size)
+
+    def init_load_back(self, params: InitLoadBackParams) -> Optional[tuple[int, TreeNode]]:
+        self._kvbm.poll()
+        parent: TreeNode = params.best_match_node
+        req = params.req
+        marker = self._markers.pop(req.cache_request_handle, None) if req is not None else None
+        if marker is None or params.host_hit_length != len(marker.key):
+            return 0, parent
+        if not self._is_attached(parent, marker.device_len) or marker.key.child_key(self.page_size) in parent.children:
+            return None  # the tree changed since the match: the scheduler re-matches next round
+        n = len(marker.key)
+        allocator = self.token_to_kv_pool_allocator
+        if allocator.available_size() < n:
+            self.evict(EvictParams(num_tokens=n - allocator.available_size()))
+        slots = allocator.alloc(n)
+        if slots is None:
+            return 0, parent
+        device_pages = (slots[:: self.page_size] // self.page_size).tolist()
+        if not self._kvbm.load(marker.block_ids, device_pages):
+            allocator.free(slots)
+            return 0, parent  # a miss: the request recomputes this span
+        return n, self._attach(parent, marker, slots)
+
+    def _is_attached(self, node: TreeNode, device_len: int) -> bool:
+        """Whether ``node`` is still in the tree, ``device_len`` tokens below the root."""
+        depth = 0
+        while node is not self.root_node:
+            parent = node.parent
+            if parent is None or parent.children.get(node.key.child_key(self.page_size)) is not node:
+                return False
+            depth += len(node.key)
+            node = parent
+        return depth == device_len
+
+    def _attach(self, parent: TreeNode, marker: _LoadMarker, slots) -> TreeNode:
+        node = TreeNode(priority=parent.priority)
+        node.parent = parent
+        node.key = marker.key
+        node.value = slots.to(dtype=self._empty_device_indices.dtype)
+        node.hash_value = list(marker.block_ids)
+        parent.children[marker.key.child_key(self.page_size)] = node
+        self.evictable_size_ += len(marker.key)
+        self._update_leaf_status(parent)
+        self._update_leaf_status(node)
+        self.kv_events.record_store(node)
+        # Its pages are device blocks again. Blocks already held below are not copied again.
+        self._offload(node, self._page_stores(node), node.priority)
+        return node
+
+    # -- leaving the device ------------------------------------------------
+
+    def evict(self, params: EvictParams) -> EvictResult:
+        self._kvbm.poll()  # release copies that finished, so their nodes are evictable now
+        return super().evict(params)
+
+    def _delete_leaf(self, node: TreeNode) -> None:
+        super()._delete_leaf(node)
+        if node.hash_value:
+            self._kvbm.evicted(node.hash_value)
+
+    # -- request end, reset, events ------------------------------------------
+
+    def on_release(self, req, *, checkpointed: bool) -> None:
+        self._markers.pop(req.cache_request_handle, None)
+        super().on_release(req, checkpointed=checkpointed)
+
+    def release_aborted_request(self, handle: CacheRequestHandle) -> None:
+        self._markers.pop(handle, None)
+        super().release_aborted_request(handle)
+
+    def reset(self) -> None:
+        self._kvbm.reset()
+        self._markers.clear()
+        super().reset()
+
+    def take_events(self):
+        self._kvbm.poll()
+        return super().take_events()

@@ -1,0 +1,153 @@
+"""A paged KV pool seen as bytes: page ``p`` of buffer ``i`` is one contiguous row.
+
+An engine's KV pool is a list of per-layer buffers (K and V per layer for MHA,
+one latent buffer per layer for MLA) whose leading axis is token slots (or whole
+pages). :class:`PagedKvLayout` views each as ``(num_pages, page_bytes_i)`` and
+moves whole pages between the pool and a host slab whose row is one *block*: the
+page's bytes from every buffer, back to back, padded to 4 KiB so a block can go
+to disk with O_DIRECT straight from the slab.
+
+Copies are coalesced into runs where both the page and the slot index advance
+by one, so a request's freshly allocated pages move in a few large copies.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+BLOCK_ALIGN = 4096
+_CUDA_STAGING_BYTES = 64 << 20  # device staging per chunk when copying on CUDA
+
+
+def runs(src: Sequence[int], dst: Sequence[int]) -> Iterator[tuple[int, int, int, int]]:
+    """Yield ``(i, src_start, dst_start, length)`` for maximal runs where both advance by one."""
+    n = len(src)
+    i = 0
+    while i < n:
+        j = i + 1
+        while j < n and src[j] == src[j - 1] + 1 and dst[j] == dst[j - 1] + 1:
+            j += 1
+        yield i, src[i], dst[i], j - i
+        i = j
+
+
+class PagedKvLayout:
+    """Byte-level page access to a list of KV buffers that share a page index."""
+
+    def __init__(
+        self,
+        buffers: Sequence[torch.Tensor],
+        page_size: int,
+        tokens_per_row: int = 1,
+    ) -> None:
+        if not buffers:
+            raise ValueError("a KV layout needs at least one buffer")
+        if page_size <= 0 or page_size % tokens_per_row:
+            raise ValueError(f"page_size {page_size} is not a multiple of tokens_per_row {tokens_per_row}")
+        rows_per_page = page_size // tokens_per_row
+        self.page_size = page_size
+        self.device = buffers[0].device
+        num_pages = min(buf.shape[0] for buf in buffers) // rows_per_page
+        self._views: list[torch.Tensor] = []
+        for idx, buf in enumerate(buffers):
+            if buf.device != self.device:
+                raise ValueError(f"KV buffer {idx} is on {buf.device}, buffer 0 on {self.device}")
+            if not buf.is_contiguous():
+                raise ValueError(f"KV buffer {idx} is not contiguous; its pages cannot be copied as rows")
+            rows = buf[: num_pages * rows_per_page]
+            self._views.append(rows.reshape(-1).view(torch.uint8).view(num_pages, -1))
+        self.num_pages = num_pages
+        self.buffer_page_bytes = tuple(v.shape[1] for v in self._views)
+        offsets, acc = [], 0
+        for nbytes in self.buffer_page_bytes:
+            offsets.append(acc)
+            acc += nbytes
+        self.buffer_offsets = tuple(offsets)
+        self.page_bytes = acc
+        self.block_bytes = -(-acc // BLOCK_ALIGN) * BLOCK_ALIGN
+        self._stream: Optional[torch.cuda.Stream] = None
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def host_slab(self, num_blocks: int, *, pin: bool) -> torch.Tensor:
+        """Allocate ``num_blocks`` host rows of :attr:`block_bytes` (pinned if asked)."""
+        return torch.empty((num_blocks, self.block_bytes), dtype=torch.uint8, pin_memory=pin)
+
+    def ready_event(self) -> Optional[torch.cuda.Event]:
+        """Mark 'KV written so far' on the current stream (CUDA); None on CPU.
+
+        Taken on the scheduler thread when a store is submitted: the copy waits
+        for it, so it reads the forward pass's output and never races a load.
+        """
+        if not self.is_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    # -- device -> host (runs on the offload worker) ------------------------
+
+    def save(
+        self,
+        pages: Sequence[int],
+        host: torch.Tensor,
+        slots: Sequence[int],
+        ready: Optional[torch.cuda.Event] = None,
+    ) -> None:
+        """Copy device ``pages`` into host rows ``slots``; returns when the bytes are there."""
+        if len(pages) != len(slots):
+            raise ValueError(f"{len(pages)} pages for {len(slots)} slots")
+        if not self.is_cuda:
+            for _, p0, s0, n in runs(pages, slots):
+                for view, off, nbytes in self._buffers():
+                    host[s0 : s0 + n, off : off + nbytes].copy_(view[p0 : p0 + n])
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        with torch.cuda.stream(self._stream):
+            if ready is not None:
+                self._stream.wait_event(ready)
+            for start in range(0, len(pages), self._chunk_pages()):
+                chunk = pages[start : start + self._chunk_pages()]
+                index = torch.tensor(chunk, dtype=torch.int64, device=self.device)
+                staging = torch.empty((len(chunk), self.block_bytes), dtype=torch.uint8, device=self.device)
+                for view, off, nbytes in self._buffers():
+                    staging[:, off : off + nbytes].copy_(view.index_select(0, index))
+                chunk_slots = slots[start : start + len(chunk)]
+                for k, s0, _, n in runs(chunk_slots, chunk_slots):
+                    host[s0 : s0 + n].copy_(staging[k : k + n], non_blocking=True)
+            self._stream.synchronize()
+
+    # -- host -> device (runs on the caller's thread, stream-ordered) --------
+
+    def load(self, slots: Sequence[int], host: torch.Tensor, pages: Sequence[int]) -> None:
+        """Copy host rows ``slots`` into device ``pages``, ordered on the current stream."""
+        if len(pages) != len(slots):
+            raise ValueError(f"{len(slots)} slots for {len(pages)} pages")
+        if not self.is_cuda:
+            for _, s0, p0, n in runs(slots, pages):
+                for view, off, nbytes in self._buffers():
+                    view[p0 : p0 + n].copy_(host[s0 : s0 + n, off : off + nbytes])
+            return
+        for start in range(0, len(pages), self._chunk_pages()):
+            chunk_slots = slots[start : start + self._chunk_pages()]
+            staging = torch.empty((len(chunk_slots), self.block_bytes), dtype=torch.uint8, device=self.device)
+            for k, s0, _, n in runs(chunk_slots, chunk_slots):
+                staging[k : k + n].copy_(host[s0 : s0 + n], non_blocking=True)
+            index = torch.tensor(pages[start : start + len(chunk_slots)], dtype=torch.int64, device=self.device)
+            for view, off, nbytes in self._buffers():
+                view.index_copy_(0, index, staging[:, off : off + nbytes])
+
+    def read_page(self, page: int) -> torch.Tensor:
+        """One device page's bytes, as a block row without padding (for tests and tools)."""
+        return torch.cat([view[page].cpu() for view in self._views])
+
+    def _buffers(self) -> Iterator[tuple[torch.Tensor, int, int]]:
+        return zip(self._views, self.buffer_offsets, self.buffer_page_bytes)
+
+    def _chunk_pages(self) -> int:
+        return max(1, _CUDA_STAGING_BYTES // self.block_bytes)

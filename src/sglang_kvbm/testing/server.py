@@ -1,0 +1,131 @@
+"""Start and stop a real SGLang server on CPU, for the demo, tests and benchmarks.
+
+The server runs in its own process group; :meth:`SglangServer.stop` ends that
+group by id, so no scheduler or detokenizer process outlives it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import requests
+
+CPU_ARGS = (
+    "--device", "cpu",
+    "--attention-backend", "torch_native",
+    "--mem-fraction-static", "0.05",
+    "--host", "127.0.0.1",
+    "--disable-cuda-graph",
+)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+class SglangServer:
+    """``python -m sglang.launch_server`` on 127.0.0.1 with the CPU flags above."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        page_size: int = 4,
+        max_total_tokens: int = 4096,
+        extra_args: Sequence[str] = (),
+        env: Optional[Mapping[str, str]] = None,
+        log_path: Optional[str | Path] = None,
+        port: Optional[int] = None,
+    ) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = [
+            sys.executable, "-m", "sglang.launch_server",
+            "--model-path", str(model_dir),
+            *CPU_ARGS,
+            "--port", str(self.port),
+            "--page-size", str(page_size),
+            "--max-total-tokens", str(max_total_tokens),
+            *extra_args,
+        ]
+        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+        self.log_path = Path(log_path) if log_path else None
+        self._proc: Optional[subprocess.Popen] = None
+        self._log = None
+
+    def start(self, timeout: float = 240.0) -> "SglangServer":
+        self._log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
+        self._proc = subprocess.Popen(
+            self.args, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise ServerError(f"sglang exited with {self._proc.returncode} during start-up{self._tail()}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise ServerError(f"sglang did not become healthy in {timeout:.0f}s{self._tail()}")
+
+    def generate(self, input_ids: Sequence[int], max_new_tokens: int = 8, **extra: Any) -> dict:
+        body = {
+            "input_ids": list(input_ids),
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True},
+            "return_logprob": True,
+            **extra,
+        }
+        response = requests.post(f"{self.url}/generate", json=body, timeout=600)
+        response.raise_for_status()
+        return response.json()
+
+    def flush_cache(self) -> None:
+        requests.post(f"{self.url}/flush_cache", timeout=60).raise_for_status()
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+            except ProcessLookupError:
+                pass
+        if proc is not None:
+            try:  # children that outlived the leader
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self._log not in (None, subprocess.DEVNULL):
+            self._log.close()
+        self._log = None
+
+    def _tail(self, lines: int = 40) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        return "\n--- server log (tail) ---\n" + "\n".join(text)
+
+    def __enter__(self) -> "SglangServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
