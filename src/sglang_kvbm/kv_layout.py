@@ -146,6 +146,11 @@ class PagedKvLayout:
         """One device page's bytes, as a block row without padding (for tests and tools)."""
         return torch.cat([view[page].cpu() for view in self._views])
 
+    def write_page(self, page: int, data: torch.Tensor) -> None:
+        """Overwrite one device page from a row of :attr:`page_bytes` bytes (for tests and tools)."""
+        for view, off, nbytes in self._buffers():
+            view[page].copy_(data[off : off + nbytes])
+
     def _buffers(self) -> Iterator[tuple[torch.Tensor, int, int]]:
         return zip(self._views, self.buffer_offsets, self.buffer_page_bytes)
 

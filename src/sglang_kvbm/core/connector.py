@@ -160,6 +160,12 @@ class KvbmConnector:
     def has_pending(self) -> bool:
         return bool(self._pending)
 
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for every copy under way, then :meth:`poll`. Not for the scheduler's hot path."""
+        done = self._manager.wait(timeout)
+        self.poll()
+        return done
+
     def reset(self) -> None:
         """Forget the device pool and every lower tier (the engine cleared its cache).
 

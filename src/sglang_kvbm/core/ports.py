@@ -94,6 +94,8 @@ class BlockManager(Protocol):
       When it returns, the device pages hold the KV (stream-ordered on CUDA).
     * :meth:`poll` never blocks. It returns the finished store tickets and the
       tier events since the previous call.
+    * :meth:`wait` blocks until every store submitted so far has finished (for
+      shutdown and tests; the scheduler never calls it).
     * :meth:`reset` forgets every block without announcing removals (the caller
       publishes one ``AllBlocksCleared``); work in flight is discarded when it ends.
     """
@@ -107,6 +109,8 @@ class BlockManager(Protocol):
     def poll(self) -> PollResult: ...
 
     def counts(self) -> tuple[TierCounts, ...]: ...
+
+    def wait(self, timeout: Optional[float] = None) -> bool: ...
 
     def reset(self) -> None: ...
 

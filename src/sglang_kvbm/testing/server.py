@@ -23,6 +23,7 @@ CPU_ARGS = (
     "--mem-fraction-static", "0.05",
     "--host", "127.0.0.1",
     "--disable-cuda-graph",
+    "--dtype", "float32",
 )
 
 

@@ -13,7 +13,7 @@ import dataclasses
 import itertools
 import logging
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from typing import Sequence
 
 from sglang_kvbm.backends.local.host_pool import HostBlockPool, Reserved
@@ -50,12 +50,20 @@ class LocalStats:
 class LocalBlockManager:
     """A :class:`~sglang_kvbm.core.ports.BlockManager` over a host slab."""
 
-    def __init__(self, layout: PagedKvLayout, host_blocks: int, *, pin: bool = False) -> None:
+    def __init__(
+        self,
+        layout: PagedKvLayout,
+        host_blocks: int,
+        *,
+        pin: bool = False,
+        executor: Executor | None = None,
+    ) -> None:
+        """``executor`` runs the copies in order; the default is one worker thread."""
         if host_blocks <= 0:
             raise ValueError(f"host_blocks must be positive, got {host_blocks}")
         self._layout = layout
         self._host = HostBlockPool(layout.host_slab(host_blocks, pin=pin))
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbm-offload")
+        self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbm-offload")
         self._jobs: deque[_StoreJob] = deque()
         self._events: list[TierEvent] = []
         self._tickets = itertools.count(1)
@@ -130,6 +138,10 @@ class LocalBlockManager:
 
     def in_flight(self) -> int:
         return len(self._jobs)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        _, not_done = wait([job.future for job in self._jobs], timeout=timeout)
+        return not not_done
 
     def reset(self) -> None:
         self._generation += 1

@@ -1,0 +1,65 @@
+"""Configuration: parsed once, every bad value named with its fix."""
+
+import logging
+
+import pytest
+
+from sglang_kvbm.config import ConfigError, KvbmConfig
+
+
+def test_defaults_and_values():
+    assert KvbmConfig.from_env({}) == KvbmConfig()
+    config = KvbmConfig.from_env(
+        {
+            "DYN_KVBM_CPU_CACHE_GB": "1.5",
+            "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": "",
+            "DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY": "20",
+            "PATH": "/bin",
+        }
+    )
+    assert config == KvbmConfig(cpu_cache_gb=1.5, host_offload_min_priority=20)
+    assert config.host_blocks(1 << 20) == 1536
+
+
+def test_block_override_wins_over_size():
+    config = KvbmConfig.from_env({"DYN_KVBM_CPU_CACHE_GB": "4", "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": "10"})
+    assert config.host_blocks(4096) == 10
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("DYN_KVBM_CPU_CACHE_GB", "lots"),
+        ("DYN_KVBM_CPU_CACHE_GB", "-1"),
+        ("DYN_KVBM_CPU_CACHE_GB", "0"),
+        ("DYN_KVBM_CPU_CACHE_GB", "nan"),
+        ("DYN_KVBM_CPU_CACHE_GB", "inf"),
+        ("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "1.5"),
+        ("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "0"),
+        ("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "ten"),
+        ("DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY", "101"),
+        ("DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY", "-1"),
+        ("DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY", "high"),
+    ],
+)
+def test_bad_value_names_the_variable(name, value):
+    with pytest.raises(ConfigError, match=name):
+        KvbmConfig.from_env({name: value})
+
+
+def test_too_small_to_hold_a_block():
+    with pytest.raises(ConfigError, match="DYN_KVBM_CPU_CACHE_GB"):
+        KvbmConfig(cpu_cache_gb=1e-9).host_blocks(1 << 20)
+
+
+def test_no_tier_is_an_error_naming_both_variables():
+    with pytest.raises(ConfigError, match="DYN_KVBM_CPU_CACHE_GB.*DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS"):
+        KvbmConfig().require_a_tier()
+
+
+def test_unknown_kvbm_variable_is_reported_with_a_suggestion(caplog):
+    with caplog.at_level(logging.WARNING, logger="sglang_kvbm.config"):
+        KvbmConfig.from_env({"DYN_KVBM_CPU_CACHE_G": "4", "DYN_KVBM_METRICS": "1"})
+    assert "DYN_KVBM_CPU_CACHE_G is not a variable" in caplog.text
+    assert "did you mean DYN_KVBM_CPU_CACHE_GB" in caplog.text
+    assert "DYN_KVBM_METRICS" not in caplog.text
