@@ -1,0 +1,28 @@
+"""``sglang-kvbm``: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional, Sequence
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="sglang-kvbm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="stock SGLang vs SGLang + kvbm on CPU, one table")
+    demo.add_argument("--out", default="demo-out", help="where the model and server logs go")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+    if args.command == "demo":
+        from sglang_kvbm.demo import main as demo_main
+
+        return demo_main(args.out)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
