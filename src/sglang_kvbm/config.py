@@ -55,6 +55,21 @@ def _priority(name: str, raw: str) -> int:
     return value
 
 
+def _bool(name: str, raw: str) -> bool:
+    value = raw.lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}={raw!r} is not a boolean: set it to true or false")
+
+
+def _directory(name: str, raw: str) -> str:
+    if "\x00" in raw:
+        raise ConfigError(f"{name} contains a NUL byte: set it to a directory path")
+    return os.path.abspath(os.path.expanduser(raw))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Var:
     env: str
@@ -71,6 +86,32 @@ _VARS: tuple[_Var, ...] = (
         "cpu_cache_blocks",
         _positive_int,
         "host (G2) tier size in blocks; overrides DYN_KVBM_CPU_CACHE_GB",
+    ),
+    _Var("DYN_KVBM_DISK_CACHE_GB", "disk_cache_gb", _positive_float, "disk (G3) tier size in GiB"),
+    _Var(
+        "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS",
+        "disk_cache_blocks",
+        _positive_int,
+        "disk (G3) tier size in blocks; overrides DYN_KVBM_DISK_CACHE_GB",
+    ),
+    _Var("DYN_KVBM_DISK_CACHE_DIR", "disk_cache_dir", _directory, "where the disk tier's files live (default /tmp)"),
+    _Var(
+        "DYN_KVBM_DISK_ZEROFILL_FALLBACK",
+        "disk_zerofill_fallback",
+        _bool,
+        "preallocate disk files by writing zeros where fallocate is unsupported (e.g. Lustre)",
+    ),
+    _Var(
+        "DYN_KVBM_DISK_DISABLE_O_DIRECT",
+        "disk_disable_o_direct",
+        _bool,
+        "use buffered I/O where the filesystem rejects O_DIRECT",
+    ),
+    _Var(
+        "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER",
+        "disable_disk_offload_filter",
+        _bool,
+        "write every host block to disk, not only reused ones (shortens SSD life)",
     ),
     _Var(
         "DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY",
@@ -92,12 +133,31 @@ _KVBM_PASSTHROUGH = frozenset(
 )
 
 
+def _blocks(count: Optional[int], gib: Optional[float], block_bytes: int, gib_var: str) -> int:
+    if count is not None:
+        return count
+    if gib is None:
+        return 0
+    blocks = int(gib * GIB) // block_bytes
+    if blocks == 0:
+        raise ConfigError(
+            f"{gib_var}={gib} holds no block of {block_bytes} bytes: raise it to at least {block_bytes / GIB:.6f}"
+        )
+    return blocks
+
+
 @dataclasses.dataclass(frozen=True)
 class KvbmConfig:
     """What the tiers look like. Build it with :meth:`from_env` (or directly, in code)."""
 
     cpu_cache_gb: Optional[float] = None
     cpu_cache_blocks: Optional[int] = None
+    disk_cache_gb: Optional[float] = None
+    disk_cache_blocks: Optional[int] = None
+    disk_cache_dir: str = "/tmp"
+    disk_zerofill_fallback: bool = False
+    disk_disable_o_direct: bool = False
+    disable_disk_offload_filter: bool = False
     host_offload_min_priority: int = 0
 
     @classmethod
@@ -122,24 +182,27 @@ class KvbmConfig:
 
     def host_blocks(self, block_bytes: int) -> int:
         """Blocks in the host tier for blocks of ``block_bytes`` (0 when the tier is off)."""
-        if self.cpu_cache_blocks is not None:
-            return self.cpu_cache_blocks
-        if self.cpu_cache_gb is None:
-            return 0
-        blocks = int(self.cpu_cache_gb * GIB) // block_bytes
-        if blocks == 0:
-            raise ConfigError(
-                f"DYN_KVBM_CPU_CACHE_GB={self.cpu_cache_gb} holds no block of {block_bytes} bytes: "
-                f"raise it to at least {block_bytes / GIB:.6f}"
-            )
-        return blocks
+        return _blocks(self.cpu_cache_blocks, self.cpu_cache_gb, block_bytes, "DYN_KVBM_CPU_CACHE_GB")
+
+    def disk_blocks(self, slot_bytes: int) -> int:
+        """Blocks in the disk tier for slots of ``slot_bytes`` (0 when the tier is off)."""
+        return _blocks(self.disk_cache_blocks, self.disk_cache_gb, slot_bytes, "DYN_KVBM_DISK_CACHE_GB")
+
+    @property
+    def has_host(self) -> bool:
+        return self.cpu_cache_gb is not None or self.cpu_cache_blocks is not None
+
+    @property
+    def has_disk(self) -> bool:
+        return self.disk_cache_gb is not None or self.disk_cache_blocks is not None
 
     def require_a_tier(self) -> None:
         """Fail when no tier below the device is configured: the backend would do nothing."""
-        if self.cpu_cache_gb is None and self.cpu_cache_blocks is None:
+        if not self.has_host and not self.has_disk:
             raise ConfigError(
-                "--radix-cache-backend kvbm needs a host tier: set DYN_KVBM_CPU_CACHE_GB "
-                "(GiB, e.g. DYN_KVBM_CPU_CACHE_GB=4) or DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS"
+                "--radix-cache-backend kvbm needs a tier below the GPU: set DYN_KVBM_CPU_CACHE_GB "
+                "(GiB, e.g. DYN_KVBM_CPU_CACHE_GB=4) or DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS for host "
+                "memory, and/or DYN_KVBM_DISK_CACHE_GB or DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS for disk"
             )
 
     @staticmethod

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, Sequence
+import time
+from typing import Callable, Optional, Sequence
 
 from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.lifecycle import Block
 from sglang_kvbm.core.ports import (
     BlockManager,
     EventSink,
+    LoadResult,
     PageStore,
     TierCounts,
     TierEventKind,
@@ -36,11 +38,15 @@ class ConnectorStats:
 
     device_blocks_registered: int = 0
     device_blocks_dropped: int = 0
-    offload_blocks_d2h: int = 0  # kvbm_offload_blocks_d2h
+    offload_blocks_d2h: int = 0  # kvbm_offload_blocks_d2h: device -> host
+    offload_blocks_h2d: int = 0  # kvbm_offload_blocks_h2d: host -> disk
+    offload_blocks_d2d: int = 0  # kvbm_offload_blocks_d2d: device -> disk
     host_blocks_removed: int = 0
+    disk_blocks_removed: int = 0
     lookups: int = 0
     lookup_hit_blocks: int = 0
-    onboard_blocks_h2d: int = 0  # kvbm_onboard_blocks_h2d
+    onboard_blocks_h2d: int = 0  # kvbm_onboard_blocks_h2d: host -> device
+    onboard_blocks_d2d: int = 0  # kvbm_onboard_blocks_d2d: disk -> device
     failed_loads: int = 0
     skipped_by_priority: int = 0
 
@@ -123,16 +129,18 @@ class KvbmConnector:
         self.stats.lookup_hit_blocks += hit
         return hit
 
-    def load(self, block_ids: Sequence[BlockId], device_pages: Sequence[int]) -> bool:
-        """Copy all these blocks into the device pages, or none (False: recompute)."""
+    def load(self, block_ids: Sequence[BlockId], device_pages: Sequence[int]) -> Optional[LoadResult]:
+        """Copy all these blocks into the device pages, or none (None: recompute)."""
         if len(block_ids) != len(device_pages):
             raise ValueError(f"{len(block_ids)} blocks for {len(device_pages)} device pages")
-        if self._manager.load(block_ids, device_pages):
-            self.stats.onboard_blocks_h2d += len(block_ids)
-            return True
+        result = self._manager.load(block_ids, device_pages)
+        if result is not None:
+            self.stats.onboard_blocks_h2d += result.host_blocks
+            self.stats.onboard_blocks_d2d += result.disk_blocks
+            return result
         self.stats.failed_loads += 1
         logger.info("kvbm: load of %d blocks missed; the request recomputes them", len(block_ids))
-        return False
+        return None
 
     def counts(self) -> tuple[TierCounts, ...]:
         device = TierCounts(Tier.DEVICE, len(self._device), -1)
@@ -143,15 +151,23 @@ class KvbmConnector:
     def poll(self) -> None:
         """Publish what the lower tiers finished and release device pages they no longer read."""
         result = self._manager.poll()
+        stats = self.stats
         for event in result.events:
+            n = len(event.blocks)
             if event.kind is TierEventKind.STORED:
                 self._sink.stored(event.tier, event.blocks)
                 if event.tier is Tier.HOST:
-                    self.stats.offload_blocks_d2h += len(event.blocks)
+                    stats.offload_blocks_d2h += n
+                elif event.source is Tier.HOST:
+                    stats.offload_blocks_h2d += n
+                elif event.source is Tier.DEVICE:
+                    stats.offload_blocks_d2d += n
             else:
                 self._sink.removed(event.tier, event.blocks)
                 if event.tier is Tier.HOST:
-                    self.stats.host_blocks_removed += len(event.blocks)
+                    stats.host_blocks_removed += n
+                else:
+                    stats.disk_blocks_removed += n
         for ticket in result.completed:
             release = self._pending.pop(ticket, None)
             if release is not None:
@@ -161,10 +177,19 @@ class KvbmConnector:
         return bool(self._pending)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait for every copy under way, then :meth:`poll`. Not for the scheduler's hot path."""
-        done = self._manager.wait(timeout)
-        self.poll()
-        return done
+        """Wait until no copy is under way (including the ones finishing copies start), polling.
+
+        For shutdown, tests and tools; never on the scheduler's hot path.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done = self._manager.wait(left)
+            self.poll()
+            if not done:
+                return False
+            if self._manager.wait(0) and not self._manager.in_flight():
+                return True
 
     def reset(self) -> None:
         """Forget the device pool and every lower tier (the engine cleared its cache).

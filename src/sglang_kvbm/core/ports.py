@@ -52,11 +52,23 @@ class TierEventKind(enum.Enum):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TierEvent:
-    """A change in what a lower tier holds, in publication order."""
+    """A change in what a lower tier holds, in publication order.
+
+    ``source`` is the tier a stored block was copied from (None when unknown).
+    """
 
     kind: TierEventKind
     tier: Tier
     blocks: tuple[BlockMeta, ...]
+    source: Optional[Tier] = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoadResult:
+    """Where the blocks of a successful load came from."""
+
+    host_blocks: int
+    disk_blocks: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -90,12 +102,13 @@ class BlockManager(Protocol):
     * :meth:`lookup` counts how many leading ids of a prefix the tiers can serve
       now. It takes no reservation: :meth:`load` checks again.
     * :meth:`load` copies *all* the named blocks into the device pages or none,
-      and returns False for none. Bytes that cannot be proven intact are a miss.
+      and returns None for none. Bytes that cannot be proven intact are a miss.
       When it returns, the device pages hold the KV (stream-ordered on CUDA).
     * :meth:`poll` never blocks. It returns the finished store tickets and the
       tier events since the previous call.
-    * :meth:`wait` blocks until every store submitted so far has finished (for
-      shutdown and tests; the scheduler never calls it).
+    * :meth:`wait` blocks until every copy submitted so far has finished, and
+      :meth:`in_flight` counts those not yet reported by :meth:`poll` (for
+      shutdown and tests; the scheduler never calls them).
     * :meth:`reset` forgets every block without announcing removals (the caller
       publishes one ``AllBlocksCleared``); work in flight is discarded when it ends.
     """
@@ -104,13 +117,15 @@ class BlockManager(Protocol):
 
     def lookup(self, block_ids: Sequence[BlockId]) -> int: ...
 
-    def load(self, block_ids: Sequence[BlockId], device_pages: Sequence[int]) -> bool: ...
+    def load(self, block_ids: Sequence[BlockId], device_pages: Sequence[int]) -> Optional[LoadResult]: ...
 
     def poll(self) -> PollResult: ...
 
     def counts(self) -> tuple[TierCounts, ...]: ...
 
     def wait(self, timeout: Optional[float] = None) -> bool: ...
+
+    def in_flight(self) -> int: ...
 
     def reset(self) -> None: ...
 

@@ -33,6 +33,9 @@ class HostBlockPool:
         self._free: list[int] = list(range(self.capacity - 1, -1, -1))
         self._registered: OrderedDict[BlockId, Reserved] = OrderedDict()  # first = least recent
         self._inflight: dict[BlockId, Reserved] = {}
+        # Registered blocks a disk write is reading: not evictable until unpinned.
+        self._pins: dict[BlockId, int] = {}
+        self._orphans: set[int] = set()  # rows of forgotten blocks a disk write still reads
 
     def __len__(self) -> int:
         return len(self._registered)
@@ -52,9 +55,10 @@ class HostBlockPool:
         evicted: list[BlockMeta] = []
         for meta in metas:
             if not self._free:
-                if not self._registered:
+                victim_id = next((bid for bid in self._registered if bid not in self._pins), None)
+                if victim_id is None:
                     break
-                _, (row, victim) = self._registered.popitem(last=False)
+                row, victim = self._registered.pop(victim_id)
                 victim.drop()
                 evicted.append(victim.meta)
                 self._free.append(row)
@@ -96,9 +100,32 @@ class HostBlockPool:
         self.touch(block_ids[:hit])
         return hit
 
+    def registered(self, block_id: BlockId) -> bool:
+        return block_id in self._registered
+
     def touch(self, block_ids: Sequence[BlockId]) -> None:
         for block_id in reversed(block_ids):
-            self._registered.move_to_end(block_id)
+            if block_id in self._registered:
+                self._registered.move_to_end(block_id)
+
+    def pin(self, block_ids: Sequence[BlockId]) -> list[int]:
+        """Keep registered blocks from eviction while something reads their rows; returns the rows."""
+        rows = []
+        for block_id in block_ids:
+            rows.append(self._registered[block_id][0])
+            self._pins[block_id] = self._pins.get(block_id, 0) + 1
+        return rows
+
+    def unpin(self, block_ids: Sequence[BlockId]) -> None:
+        for block_id in block_ids:
+            left = self._pins.get(block_id, 0) - 1
+            if left > 0:
+                self._pins[block_id] = left
+            else:
+                self._pins.pop(block_id, None)
+
+    def meta_of(self, block_id: BlockId) -> BlockMeta:
+        return self._registered[block_id][1].meta
 
     def rows_of(self, block_ids: Sequence[BlockId]) -> Optional[list[int]]:
         """Rows of these blocks if every one is registered, else None."""
@@ -111,14 +138,25 @@ class HostBlockPool:
         return rows
 
     def forget(self) -> None:
-        """Drop every block. Rows of in-flight copies stay taken until :meth:`abort` returns them."""
-        for row, block in self._registered.values():
+        """Drop every block. Rows being copied (in either direction) stay taken until their copy ends."""
+        for block_id, (row, block) in self._registered.items():
             block.drop()
-            self._free.append(row)
+            if block_id in self._pins:
+                self._orphans.add(row)  # a disk write still reads it: see release_orphans()
+            else:
+                self._free.append(row)
         self._registered.clear()
+        self._pins.clear()
         for _, block in self._inflight.values():
             block.drop()
         self._inflight.clear()
+
+    def release_orphans(self, rows: Sequence[int]) -> None:
+        """A disk write that started before :meth:`forget` finished: its rows are free now."""
+        for row in rows:
+            if row in self._orphans:
+                self._orphans.discard(row)
+                self._free.append(row)
 
     def free_rows(self) -> int:
         return len(self._free)

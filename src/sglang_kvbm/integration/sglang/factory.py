@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
+from sglang_kvbm.backends.local.disk_setup import probe
+from sglang_kvbm.backends.local.disk_store import DiskStore
 from sglang_kvbm.backends.local.manager import LocalBlockManager
-from sglang_kvbm.config import ConfigError, KvbmConfig
+from sglang_kvbm.config import GIB, ConfigError, KvbmConfig
 from sglang_kvbm.core.connector import KvbmConnector
+from sglang_kvbm.core.offload_filter import FrequencyFilter
+from sglang_kvbm.core.onboard_policy import OnboardPolicy
 from sglang_kvbm.integration.sglang.events import SglangEventSink
+from sglang_kvbm.integration.sglang.fingerprint import server_fingerprint
 from sglang_kvbm.integration.sglang.kv_pool import UnsupportedPoolError, paged_layout
+from sglang_kvbm.integration.sglang.prefill_meter import attach_prefill_meter
 from sglang_kvbm.integration.sglang.radix_cache import KvbmRadixCache
+from sglang_kvbm.kv_layout import PagedKvLayout
 
 logger = logging.getLogger(__name__)
 
@@ -23,31 +31,66 @@ def create_kvbm_radix_cache(ctx: TreeCacheBuildContext) -> KvbmRadixCache:
     config.require_a_tier()
     params = ctx.params
     allocator = params.token_to_kv_pool_allocator
-    layout = paged_layout(allocator.get_kvcache(), params.page_size)
+    kvcache = allocator.get_kvcache()
+    layout = paged_layout(kvcache, params.page_size)
     host_blocks = config.host_blocks(layout.block_bytes)
     device_pages = allocator.size // params.page_size
-    if host_blocks < device_pages:
+    if config.has_host and host_blocks < device_pages:
         logger.warning(
             "kvbm: the host tier (%d blocks) is smaller than the device KV pool (%d pages): "
             "it can only hold what the device already holds, so it will churn without hits. "
-            "Raise DYN_KVBM_CPU_CACHE_GB to at least %.2f.",
+            "Raise DYN_KVBM_CPU_CACHE_GB to at least %.3g.",
             host_blocks,
             device_pages,
-            device_pages * layout.block_bytes / (1 << 30),
+            device_pages * layout.block_bytes / GIB,
         )
-    manager = LocalBlockManager(layout, host_blocks, pin=layout.is_cuda)
+    disk = policy = offload_filter = None
+    if config.has_disk:
+        disk, policy = _build_disk(ctx, config, layout, kvcache)
+        offload_filter = None if config.disable_disk_offload_filter else FrequencyFilter()
+    manager = LocalBlockManager(
+        layout, host_blocks, pin=layout.is_cuda, disk=disk, offload_filter=offload_filter, policy=policy
+    )
     sink = SglangEventSink()
     connector = KvbmConnector(manager, sink, min_offload_priority=config.host_offload_min_priority)
     logger.info(
-        "kvbm: local backend, page %d tokens, block %d bytes (%d buffers); host tier %d blocks (%.2f GiB%s)",
+        "kvbm: local backend, page %d tokens, block %d bytes (%d buffers); host tier %d blocks (%.2f GiB%s); "
+        "disk tier %s",
         params.page_size,
         layout.block_bytes,
         len(layout.buffer_page_bytes),
         host_blocks,
-        host_blocks * layout.block_bytes / (1 << 30),
+        host_blocks * layout.block_bytes / GIB,
         ", pinned" if layout.is_cuda else "",
+        "off" if disk is None else f"{disk.num_slots} blocks ({disk.num_slots * disk.slot_bytes / GIB:.2f} GiB) "
+        f"in {disk.directory}, offload filter {'off' if offload_filter is None else 'on'}",
     )
-    return KvbmRadixCache(params, connector, sink)
+    cache = KvbmRadixCache(params, connector, sink)
+    atexit.register(connector.close)  # flush the disk index and stop the copy threads
+    return cache
+
+
+def _build_disk(ctx, config: KvbmConfig, layout: PagedKvLayout, kvcache) -> tuple[DiskStore, OnboardPolicy]:
+    fingerprint, description = server_fingerprint(ctx, layout, kvcache)
+    page_size = layout.page_size
+    slot_bytes = DiskStore.header_bytes_for(page_size) + layout.block_bytes
+    blocks = config.disk_blocks(slot_bytes)
+    found = probe(
+        config.disk_cache_dir,
+        blocks * slot_bytes,
+        zerofill_fallback=config.disk_zerofill_fallback,
+        disable_o_direct=config.disk_disable_o_direct,
+        already_ours=DiskStore.existing_bytes(config.disk_cache_dir, fingerprint),
+    )
+    logger.info("kvbm: disk identity %s: %s", fingerprint.hex(), description)
+    disk = DiskStore(
+        probe=found, num_slots=blocks, block_bytes=layout.block_bytes, fingerprint=fingerprint, page_size=page_size
+    )
+    policy = OnboardPolicy(bytes_per_token=slot_bytes / page_size)
+    policy.read.record(4 << 20, (4 << 20) / found.read_bytes_per_s)  # seeded by the probe, refined by real reads
+    if ctx.tp_worker is not None:
+        attach_prefill_meter(ctx.tp_worker, policy.prefill)
+    return disk, policy
 
 
 def _check_supported(ctx: TreeCacheBuildContext) -> None:

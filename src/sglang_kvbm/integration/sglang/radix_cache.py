@@ -64,10 +64,13 @@ class KvbmRadixCache(RadixCache):
     def __init__(self, params: CacheInitParams, connector: KvbmConnector, sink: SglangEventSink) -> None:
         if params.is_eagle:
             raise ValueError("--radix-cache-backend kvbm does not support EAGLE speculative decoding yet")
-        # Set before RadixCache.__init__, which calls reset().
+        # Set before RadixCache.__init__, which calls reset(): that first reset
+        # builds the tree and must not clear tiers restored from disk.
         self._kvbm = connector
         self._markers: dict[CacheRequestHandle, _LoadMarker] = {}
+        self._serving = False
         super().__init__(params)
+        self._serving = True
         sink.bind(self.kv_events)
 
     @property
@@ -168,9 +171,14 @@ class KvbmRadixCache(RadixCache):
         if slots is None:
             return 0, parent
         device_pages = (slots[:: self.page_size] // self.page_size).tolist()
-        if not self._kvbm.load(marker.block_ids, device_pages):
+        loaded = self._kvbm.load(marker.block_ids, device_pages)
+        if loaded is None:
             allocator.free(slots)
             return 0, parent  # a miss: the request recomputes this span
+        if loaded.disk_blocks and req is not None:
+            # Report the disk part as SGLang reports L3 hits (cached_tokens_details["storage"]).
+            req.storage_hit_length = loaded.disk_blocks * self.page_size
+            req.storage_hit_start = None
         return n, self._attach(parent, marker, slots)
 
     def _is_attached(self, node: TreeNode, device_len: int) -> bool:
@@ -221,7 +229,9 @@ class KvbmRadixCache(RadixCache):
         super().release_aborted_request(handle)
 
     def reset(self) -> None:
-        self._kvbm.reset()
+        """Clear every tier: a flush (e.g. after a weight update) must not leave KV of the old weights below."""
+        if self._serving:
+            self._kvbm.reset()
         self._markers.clear()
         super().reset()
 
