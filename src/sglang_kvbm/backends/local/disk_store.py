@@ -382,7 +382,6 @@ class DiskStore:
             if segment.generation != reservation.segment_generation:
                 continue  # written into a file that has since been retired; the slot went with it
             self._entries[reservation.meta.block_id] = DiskEntry(reservation.slot, header)
-            self._entries.move_to_end(reservation.meta.block_id, last=False)  # a new block is not yet "hot"
             self._log(_JournalRecord("add", reservation.slot, header))
             registered.append(reservation.meta)
         return registered
