@@ -132,3 +132,30 @@ def model_dir(tmp_path_factory):
     from sglang_kvbm.testing.model import TEST, make_model
 
     return make_model(tmp_path_factory.mktemp("model"), TEST)
+
+
+# The request sequence the end-to-end tests replay: three 600-token prompts
+# through a 1024-token device pool, then the first one again.
+E2E_SEQUENCE = ["A", "B", "C", "A"]
+
+
+def e2e_prompts():
+    from sglang_kvbm.testing.model import prompt_ids
+
+    return {name: prompt_ids(seed, 600) for seed, name in enumerate("ABC")}
+
+
+def run_e2e_sequence(server, names=E2E_SEQUENCE):
+    prompts = e2e_prompts()
+    return [server.generate(prompts[name], max_new_tokens=8) for name in names]
+
+
+@pytest.fixture(scope="session")
+def stock_results(model_dir, tmp_path_factory):
+    """Stock SGLang, a device pool large enough to keep every prompt: the reference outputs."""
+    from sglang_kvbm.testing.server import SglangServer
+
+    log = tmp_path_factory.mktemp("stock") / "server.log"
+    with SglangServer(model_dir, max_total_tokens=8192, log_path=log) as server:
+        results = run_e2e_sequence(server)
+    return dict(zip(E2E_SEQUENCE, results)) | {"A2": results[-1]}

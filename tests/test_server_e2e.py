@@ -13,25 +13,12 @@ import json
 import pytest
 from sglang.srt.disaggregation.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
+from conftest import run_e2e_sequence
 from sglang_kvbm.integration.sglang.event_stream import replay
 from sglang_kvbm.testing.model import prompt_ids
 from sglang_kvbm.testing.server import SglangServer, free_port
 
 pytestmark = pytest.mark.server
-
-PROMPTS = {name: prompt_ids(seed, 600) for seed, name in enumerate("ABC")}
-SEQUENCE = ["A", "B", "C", "A"]  # 3 x 600 tokens through a 1024-token device pool
-
-
-def run_sequence(server):
-    return [server.generate(PROMPTS[name], max_new_tokens=8) for name in SEQUENCE]
-
-
-@pytest.fixture(scope="module")
-def stock_results(model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("stock") / "server.log"
-    with SglangServer(model_dir, max_total_tokens=8192, log_path=log) as server:
-        return run_sequence(server)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +34,7 @@ def kvbm_run(model_dir, tmp_path_factory):
         log_path=log,
     )
     with server:
-        results = run_sequence(server)
+        results = run_e2e_sequence(server)
         # The last store's host copy completes after its request returned; the
         # idle scheduler publishes it. Ask the server for one more tiny request
         # so that completion has been drained before the replay.
@@ -66,9 +53,9 @@ def test_repeated_prompt_is_served_from_host(kvbm_run):
 
 def test_host_hit_output_equals_stock_device_hit(kvbm_run, stock_results):
     results, _, _ = kvbm_run
-    stock_final = stock_results[-1]
+    stock_final = stock_results["A2"]
     assert stock_final["meta_info"]["cached_tokens_details"]["device"] == 596  # stock served it from device
-    for ours, theirs in zip(results, stock_results):
+    for ours, theirs in zip(results, [stock_results[n] for n in ("A", "B", "C", "A2")]):
         assert ours["output_ids"] == theirs["output_ids"]
         assert ours["meta_info"]["output_token_logprobs"] == theirs["meta_info"]["output_token_logprobs"]
 

@@ -63,16 +63,16 @@ class PagedKvLayout:
         self.page_size = page_size
         self.device = buffers[0].device
         num_pages = min(buf.shape[0] for buf in buffers) // rows_per_page
-        self._views: list[torch.Tensor] = []
+        byte_views: list[torch.Tensor] = []
         for idx, buf in enumerate(buffers):
             if buf.device != self.device:
                 raise ValueError(f"KV buffer {idx} is on {buf.device}, buffer 0 on {self.device}")
             if not buf.is_contiguous():
                 raise ValueError(f"KV buffer {idx} is not contiguous; its pages cannot be copied as rows")
             rows = buf[: num_pages * rows_per_page]
-            self._views.append(rows.reshape(-1).view(torch.uint8).view(num_pages, -1))
+            byte_views.append(rows.reshape(-1).view(torch.uint8).view(num_pages, -1))
         self.num_pages = num_pages
-        self.buffer_page_bytes = tuple(v.shape[1] for v in self._views)
+        self.buffer_page_bytes = tuple(v.shape[1] for v in byte_views)
         offsets, acc = [], 0
         for nbytes in self.buffer_page_bytes:
             offsets.append(acc)
@@ -80,6 +80,11 @@ class PagedKvLayout:
         self.buffer_offsets = tuple(offsets)
         self.page_bytes = acc
         self.block_bytes = -(-acc // BLOCK_ALIGN) * BLOCK_ALIGN
+        # Copies run on the widest word every size and offset divides: torch copies
+        # strided uint8 element by element, int64 eight times faster.
+        self._word = next(w for w in (8, 4, 2, 1) if all(n % w == 0 for n in (*self.buffer_page_bytes, *offsets)))
+        self._wtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[self._word]
+        self._views = [v.view(self._wtype) for v in byte_views]
         self._stream: Optional[torch.cuda.Stream] = None
 
     @property
@@ -114,6 +119,7 @@ class PagedKvLayout:
         """Copy device ``pages`` into host rows ``slots``; returns when the bytes are there."""
         if len(pages) != len(slots):
             raise ValueError(f"{len(pages)} pages for {len(slots)} slots")
+        host = host.view(self._wtype)
         if not self.is_cuda:
             for _, p0, s0, n in runs(pages, slots):
                 for view, off, nbytes in self._buffers():
@@ -127,7 +133,7 @@ class PagedKvLayout:
             for start in range(0, len(pages), self._chunk_pages()):
                 chunk = pages[start : start + self._chunk_pages()]
                 index = torch.tensor(chunk, dtype=torch.int64, device=self.device)
-                staging = torch.empty((len(chunk), self.block_bytes), dtype=torch.uint8, device=self.device)
+                staging = torch.empty((len(chunk), self.block_bytes // self._word), dtype=self._wtype, device=self.device)
                 for view, off, nbytes in self._buffers():
                     staging[:, off : off + nbytes].copy_(view.index_select(0, index))
                 chunk_slots = slots[start : start + len(chunk)]
@@ -141,6 +147,7 @@ class PagedKvLayout:
         """Copy host rows ``slots`` into device ``pages``, ordered on the current stream."""
         if len(pages) != len(slots):
             raise ValueError(f"{len(slots)} slots for {len(pages)} pages")
+        host = host.view(self._wtype)
         if not self.is_cuda:
             for _, s0, p0, n in runs(slots, pages):
                 for view, off, nbytes in self._buffers():
@@ -148,7 +155,7 @@ class PagedKvLayout:
             return
         for start in range(0, len(pages), self._chunk_pages()):
             chunk_slots = slots[start : start + self._chunk_pages()]
-            staging = torch.empty((len(chunk_slots), self.block_bytes), dtype=torch.uint8, device=self.device)
+            staging = torch.empty((len(chunk_slots), self.block_bytes // self._word), dtype=self._wtype, device=self.device)
             for k, s0, _, n in runs(chunk_slots, chunk_slots):
                 staging[k : k + n].copy_(host[s0 : s0 + n], non_blocking=True)
             index = torch.tensor(pages[start : start + len(chunk_slots)], dtype=torch.int64, device=self.device)
@@ -157,15 +164,17 @@ class PagedKvLayout:
 
     def read_page(self, page: int) -> torch.Tensor:
         """One device page's bytes, as a block row without padding (for tests and tools)."""
-        return torch.cat([view[page].cpu() for view in self._views])
+        return torch.cat([view[page].cpu().view(torch.uint8) for view in self._views])
 
     def write_page(self, page: int, data: torch.Tensor) -> None:
         """Overwrite one device page from a row of :attr:`page_bytes` bytes (for tests and tools)."""
         for view, off, nbytes in self._buffers():
-            view[page].copy_(data[off : off + nbytes])
+            view[page].copy_(data.view(self._wtype)[off : off + nbytes])
 
     def _buffers(self) -> Iterator[tuple[torch.Tensor, int, int]]:
-        return zip(self._views, self.buffer_offsets, self.buffer_page_bytes)
+        """``(view, offset, length)`` of each buffer, in words."""
+        w = self._word
+        return ((v, off // w, n // w) for v, off, n in zip(self._views, self.buffer_offsets, self.buffer_page_bytes))
 
     def _chunk_pages(self) -> int:
         return max(1, _CUDA_STAGING_BYTES // self.block_bytes)

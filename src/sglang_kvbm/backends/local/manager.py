@@ -110,6 +110,7 @@ class LocalBlockManager:
         self._disk_jobs: deque[_DiskJob] = deque()
         self._events: list[TierEvent] = []
         self._tickets = itertools.count(1)
+        self._parts: dict[int, int] = {}  # store ticket -> jobs still running
         self._generation = 0
         self.stats = LocalStats()
         if disk is not None and len(disk):
@@ -126,43 +127,52 @@ class LocalBlockManager:
     # -- storing ------------------------------------------------------------
 
     def store(self, pages: Sequence[PageStore]) -> Optional[int]:
-        if self._host is None:
-            return self._store_to_disk(pages)
+        """Copy pages down: into host rows while there is room, the rest straight to disk.
+
+        One ticket covers every job the store needed; it completes when all have.
+        """
+        ticket = next(self._tickets)
+        rest = list(pages)
+        if self._host is not None:
+            rest = self._store_to_host(rest, ticket)
+        if rest and self._disk is not None:
+            rest = self._store_to_disk(rest, ticket)
+        self.stats.blocks_not_stored_no_room += len(rest)
+        return ticket if self._parts.get(ticket) else None
+
+    def _store_to_host(self, pages: list[PageStore], ticket: int) -> list[PageStore]:
+        """Submit what finds a host row; return the pages that did not (from the first one on)."""
         todo = [page for page in pages if not self._host.holds(page.meta.block_id)]
         if not todo:
-            return None
+            return []
         reserved, evicted = self._host.reserve([p.meta for p in todo])
         self._removed(Tier.HOST, evicted)
-        self.stats.blocks_not_stored_no_room += len(todo) - len(reserved)
-        if not reserved:
-            return None
-        device_pages = [page.device_page for page in todo[: len(reserved)]]
-        rows = [row for row, _ in reserved]
-        future = self._executor.submit(
-            self._layout.save, device_pages, self._host.slab, rows, self._layout.ready_event()
-        )
-        ticket = next(self._tickets)
-        self._jobs.append(_HostJob(ticket, self._generation, tuple(reserved), future))
-        self.stats.stores_submitted += 1
-        return ticket
+        if reserved:
+            device_pages = [page.device_page for page in todo[: len(reserved)]]
+            rows = [row for row, _ in reserved]
+            future = self._executor.submit(
+                self._layout.save, device_pages, self._host.slab, rows, self._layout.ready_event()
+            )
+            self._jobs.append(_HostJob(ticket, self._generation, tuple(reserved), future))
+            self._parts[ticket] = self._parts.get(ticket, 0) + 1
+            self.stats.stores_submitted += 1
+        return todo[len(reserved) :]
 
-    def _store_to_disk(self, pages: Sequence[PageStore]) -> Optional[int]:
+    def _store_to_disk(self, pages: list[PageStore], ticket: int) -> list[PageStore]:
         todo = [page for page in pages if not self._disk.holds(page.meta.block_id)]
         if not todo:
-            return None
+            return []
         reserved, evicted = self._disk.reserve([p.meta for p in todo])
         self._removed(Tier.DISK, evicted)
-        self.stats.blocks_not_stored_no_room += len(todo) - len(reserved)
-        if not reserved:
-            return None
-        device_pages = [page.device_page for page in todo[: len(reserved)]]
-        future = self._disk_executor.submit(
-            self._device_to_disk, device_pages, tuple(reserved), self._layout.ready_event()
-        )
-        ticket = next(self._tickets)
-        self._disk_jobs.append(_DiskJob(ticket, self._generation, tuple(reserved), (), (), future))
-        self.stats.disk_writes_submitted += 1
-        return ticket
+        if reserved:
+            device_pages = [page.device_page for page in todo[: len(reserved)]]
+            future = self._disk_executor.submit(
+                self._device_to_disk, device_pages, tuple(reserved), self._layout.ready_event()
+            )
+            self._disk_jobs.append(_DiskJob(ticket, self._generation, tuple(reserved), (), (), future))
+            self._parts[ticket] = self._parts.get(ticket, 0) + 1
+            self.stats.disk_writes_submitted += 1
+        return todo[len(reserved) :]
 
     def _device_to_disk(self, device_pages, reserved, ready):
         """Disk worker: device pages -> staging -> disk, a staging-full at a time."""
@@ -295,7 +305,7 @@ class LocalBlockManager:
         earned: list[BlockMeta] = []
         while self._jobs and self._jobs[0].future.done():
             job = self._jobs.popleft()
-            completed.append(job.ticket)
+            self._part_done(job.ticket, completed)
             error = _error_of(job.future)
             if job.generation != self._generation:
                 self._host.abort(job.reserved)  # reset while copying: the bytes belong to a dropped tree
@@ -310,7 +320,7 @@ class LocalBlockManager:
         while self._disk_jobs and self._disk_jobs[0].future.done():
             job = self._disk_jobs.popleft()
             if job.ticket is not None:
-                completed.append(job.ticket)
+                self._part_done(job.ticket, completed)
             if job.generation != self._generation:
                 if self._host is not None:
                     self._host.release_orphans(job.host_rows)
@@ -333,6 +343,13 @@ class LocalBlockManager:
             self._disk.persist()
         events, self._events = self._events, []
         return PollResult(tuple(completed), tuple(events))
+
+    def _part_done(self, ticket: int, completed: list[int]) -> None:
+        left = self._parts.pop(ticket) - 1
+        if left:
+            self._parts[ticket] = left
+        else:
+            completed.append(ticket)
 
     def _removed(self, tier: Tier, metas: Sequence[BlockMeta]) -> None:
         if metas:
