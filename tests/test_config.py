@@ -40,6 +40,14 @@ def test_block_override_wins_over_size():
         ("DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY", "101"),
         ("DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY", "-1"),
         ("DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY", "high"),
+        ("DYN_KVBM_DISK_CACHE_GB", "big"),
+        ("DYN_KVBM_DISK_CACHE_GB", "-2"),
+        ("DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS", "0"),
+        ("DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS", "x"),
+        ("DYN_KVBM_DISK_CACHE_DIR", "/tmp/a\x00b"),
+        ("DYN_KVBM_DISK_ZEROFILL_FALLBACK", "maybe"),
+        ("DYN_KVBM_DISK_DISABLE_O_DIRECT", "2"),
+        ("DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER", "yes please"),
     ],
 )
 def test_bad_value_names_the_variable(name, value):
@@ -63,3 +71,20 @@ def test_unknown_kvbm_variable_is_reported_with_a_suggestion(caplog):
     assert "DYN_KVBM_CPU_CACHE_G is not a variable" in caplog.text
     assert "did you mean DYN_KVBM_CPU_CACHE_GB" in caplog.text
     assert "DYN_KVBM_METRICS" not in caplog.text
+
+
+def test_disk_variables():
+    config = KvbmConfig.from_env(
+        {
+            "DYN_KVBM_DISK_CACHE_GB": "2",
+            "DYN_KVBM_DISK_CACHE_DIR": "/var/cache/kvbm",
+            "DYN_KVBM_DISK_ZEROFILL_FALLBACK": "TRUE",
+            "DYN_KVBM_DISK_DISABLE_O_DIRECT": "0",
+            "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER": "on",
+        }
+    )
+    assert config.has_disk and not config.has_host
+    assert config.disk_cache_dir == "/var/cache/kvbm" and config.disk_zerofill_fallback
+    assert not config.disk_disable_o_direct and config.disable_disk_offload_filter
+    assert config.disk_blocks(1 << 20) == 2048
+    config.require_a_tier()  # disk alone is a valid configuration
