@@ -4,6 +4,10 @@
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
+# Dynamo's KV indexer pins pydantic<=2.13.5 (SGLang needs 2.14): it gets its own
+# environment, as it is its own process in a deployment too.
+INDEXER_VENV := .venv-indexer
+INDEXER_STAMP := $(INDEXER_VENV)/.installed
 
 .PHONY: demo test test-fast clean
 
@@ -13,10 +17,15 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -e '.[test]'
 	touch $(STAMP)
 
+$(INDEXER_STAMP):
+	$(PYTHON) -m venv $(INDEXER_VENV)
+	$(INDEXER_VENV)/bin/pip install 'ai-dynamo-runtime==1.6.1'
+	touch $(INDEXER_STAMP)
+
 demo: $(STAMP)
 	$(VENV)/bin/sglang-kvbm demo
 
-test: $(STAMP)
+test: $(STAMP) $(INDEXER_STAMP)
 	$(VENV)/bin/python -m pytest -q -ra tests
 
 # Without the tests that start real SGLang servers (a few seconds instead of minutes).
@@ -24,4 +33,4 @@ test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -ra -m "not server" tests
 
 clean:
-	rm -rf $(VENV) demo-out
+	rm -rf $(VENV) $(INDEXER_VENV) demo-out

@@ -9,14 +9,18 @@ which serves the same prompt from its device cache (same KV bytes, same numbers)
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import threading
 
 import pytest
+import zmq
 from sglang.srt.disaggregation.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 from conftest import run_e2e_sequence
-from sglang_kvbm.integration.sglang.event_stream import replay
+from sglang_kvbm.integration.sglang.event_stream import replay, subscribe
 from sglang_kvbm.testing.model import prompt_ids
-from sglang_kvbm.testing.server import SglangServer, free_port
+from sglang_kvbm.testing.server import ServerError, SglangServer, free_port
 
 pytestmark = pytest.mark.server
 
@@ -34,17 +38,40 @@ def kvbm_run(model_dir, tmp_path_factory):
         log_path=log,
     )
     with server:
+        # A subscriber that never reads (receive buffer of one message): it must not slow anything.
+        stalled = zmq.Context.instance().socket(zmq.SUB)
+        stalled.setsockopt(zmq.RCVHWM, 1)
+        stalled.setsockopt(zmq.SUBSCRIBE, b"")
+        stalled.connect(endpoint)
+        live: list = []
+        stop = threading.Event()
+
+        def listen():
+            for item in subscribe(endpoint, timeout=1.0):
+                live.append(item)
+                if stop.is_set():
+                    return
+
+        listener = threading.Thread(target=listen, daemon=True)
+        listener.start()
         results = run_e2e_sequence(server)
         # The last store's host copy completes after its request returned; the
         # idle scheduler publishes it. Ask the server for one more tiny request
         # so that completion has been drained before the replay.
         server.generate(prompt_ids(99, 8), max_new_tokens=1)
         batches = replay(replay_endpoint)
-        yield results, batches, log.read_text()
+        stop.set()
+        listener.join(timeout=30)
+        stalled.close(linger=0)
+        cli = subprocess.run(
+            [sys.executable, "-m", "sglang_kvbm.cli", "events", endpoint, "--replay", replay_endpoint, "--seconds", "1"],
+            capture_output=True, text=True, timeout=120,
+        )
+        yield results, batches, log.read_text(), live, cli
 
 
 def test_repeated_prompt_is_served_from_host(kvbm_run):
-    results, _, log = kvbm_run
+    results, _, log, _, _ = kvbm_run
     final = results[-1]["meta_info"]
     assert final["cached_tokens_details"]["host"] > 0, final
     assert final["cached_tokens"] == 596
@@ -52,7 +79,7 @@ def test_repeated_prompt_is_served_from_host(kvbm_run):
 
 
 def test_host_hit_output_equals_stock_device_hit(kvbm_run, stock_results):
-    results, _, _ = kvbm_run
+    results, _, _, _, _ = kvbm_run
     stock_final = stock_results["A2"]
     assert stock_final["meta_info"]["cached_tokens_details"]["device"] == 596  # stock served it from device
     for ours, theirs in zip(results, [stock_results[n] for n in ("A", "B", "C", "A2")]):
@@ -61,8 +88,9 @@ def test_host_hit_output_equals_stock_device_hit(kvbm_run, stock_results):
 
 
 def test_event_stream_carries_host_tier_in_order(kvbm_run):
-    _, batches, _ = kvbm_run
+    _, batches, _, _, _ = kvbm_run
     assert batches, "no KV events were published"
+    assert all(batch.attn_dp_rank == 0 for _, batch in batches)
     seqs = [seq for seq, _ in batches]
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
     events = [event for _, batch in batches for event in batch.events]
@@ -82,3 +110,34 @@ def test_event_stream_carries_host_tier_in_order(kvbm_run):
     assert stored["CPU_PINNED"] <= stored["GPU"]  # a host block is a page the device stored first
     gpu_removed = {h for e in events if isinstance(e, BlockRemoved) and e.medium == "GPU" for h in e.block_hashes}
     assert gpu_removed & stored["CPU_PINNED"], "device evictions of pages the host still holds"
+
+
+def test_live_stream_equals_replay(kvbm_run):
+    _, batches, _, live, _ = kvbm_run
+    assert live, "the live subscriber received nothing"
+    replayed = dict(batches)
+    for seq, batch in live:  # what the live subscriber got is exactly what replay returns for that seq
+        assert seq in replayed
+        assert batch.events == replayed[seq].events
+
+
+def test_events_cli_prints_decoded_events_and_tier_counts(kvbm_run):
+    *_, cli = kvbm_run
+    assert cli.returncode == 0, cli.stderr
+    assert "stored  CPU_PINNED" in cli.stdout and "stored  GPU" in cli.stdout
+    final = [line for line in cli.stdout.splitlines() if line.startswith("final:")][-1]
+    assert "CPU_PINNED=" in final and "GPU=" in final and "0 gaps" in final
+
+
+def test_router_block_size_mismatch_fails_at_start(model_dir, tmp_path):
+    log = tmp_path / "server.log"
+    server = SglangServer(
+        model_dir,
+        extra_args=["--radix-cache-backend", "kvbm"],
+        env={"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": "512", "SGLANG_KVBM_ROUTER_BLOCK_SIZE": "16"},
+        log_path=log,
+    )
+    with pytest.raises(ServerError):
+        server.start(timeout=180)
+    server.stop()
+    assert "SGLANG_KVBM_ROUTER_BLOCK_SIZE=16 but --page-size is 4" in log.read_text()

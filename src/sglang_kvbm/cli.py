@@ -13,6 +13,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="stock SGLang vs SGLang + kvbm on CPU, one table")
     demo.add_argument("--out", default="demo-out", help="where the model and server logs go")
+    events = sub.add_parser("events", help="watch a worker's KV event stream, decoded, with per-tier counts")
+    events.add_argument("endpoint", help="the worker's --kv-events-config endpoint, e.g. tcp://127.0.0.1:5557")
+    events.add_argument("--replay", metavar="ENDPOINT", help="its replay_endpoint: print the buffered history first")
+    events.add_argument("--seconds", type=float, help="stop after this long without (or with) events")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
@@ -20,6 +24,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from sglang_kvbm.demo import main as demo_main
 
         return demo_main(args.out)
+    if args.command == "events":
+        from sglang_kvbm.integration.sglang.events_view import watch
+
+        return watch(args.endpoint, replay_endpoint=args.replay, seconds=args.seconds)
     parser.error(f"unknown command {args.command}")
     return 2
 

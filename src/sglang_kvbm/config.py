@@ -64,6 +64,25 @@ def _bool(name: str, raw: str) -> bool:
     raise ConfigError(f"{name}={raw!r} is not a boolean: set it to true or false")
 
 
+def _port(name: str, raw: str) -> int:
+    try:
+        value = int(raw, 10)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a port number: set it to 1-65535, e.g. {name}=6880") from None
+    if not 1 <= value <= 65535:
+        raise ConfigError(f"{name}={raw!r} is out of range: set it to 1-65535")
+    return value
+
+
+def _host(name: str, raw: str) -> str:
+    import ipaddress
+
+    try:
+        return str(ipaddress.ip_address(raw))
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an IP address: set it to 127.0.0.1 (default) or 0.0.0.0") from None
+
+
 def _directory(name: str, raw: str) -> str:
     if "\x00" in raw:
         raise ConfigError(f"{name} contains a NUL byte: set it to a directory path")
@@ -113,6 +132,15 @@ _VARS: tuple[_Var, ...] = (
         _bool,
         "write every host block to disk, not only reused ones (shortens SSD life)",
     ),
+    _Var("DYN_KVBM_METRICS", "metrics", _bool, "serve Prometheus metrics and /tiers on DYN_KVBM_METRICS_PORT"),
+    _Var("DYN_KVBM_METRICS_PORT", "metrics_port", _port, "port of the metrics endpoint (default 6880)"),
+    _Var("SGLANG_KVBM_HTTP_HOST", "http_host", _host, "address the metrics endpoint binds (default 127.0.0.1)"),
+    _Var(
+        "SGLANG_KVBM_ROUTER_BLOCK_SIZE",
+        "router_block_size",
+        _positive_int,
+        "the block size Dynamo's router runs with; start-up fails unless it equals the page size",
+    ),
     _Var(
         "DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY",
         "host_offload_min_priority",
@@ -124,13 +152,7 @@ _BY_ENV = {v.env: v for v in _VARS}
 
 # KVBM variables that belong to parts this library does not run (or runs through
 # the kvbm package itself); accepted without a warning.
-_KVBM_PASSTHROUGH = frozenset(
-    {
-        "DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS",
-        "DYN_KVBM_METRICS",
-        "DYN_KVBM_METRICS_PORT",
-    }
-)
+_KVBM_PASSTHROUGH = frozenset({"DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS"})
 
 
 def _blocks(count: Optional[int], gib: Optional[float], block_bytes: int, gib_var: str) -> int:
@@ -158,6 +180,10 @@ class KvbmConfig:
     disk_zerofill_fallback: bool = False
     disk_disable_o_direct: bool = False
     disable_disk_offload_filter: bool = False
+    metrics: bool = False
+    metrics_port: int = 6880
+    http_host: str = "127.0.0.1"
+    router_block_size: Optional[int] = None
     host_offload_min_priority: int = 0
 
     @classmethod
@@ -166,9 +192,13 @@ class KvbmConfig:
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         for name, raw in environ.items():
-            if not name.startswith("DYN_KVBM_"):
+            if not name.startswith(("DYN_KVBM_", "SGLANG_KVBM_")):
                 continue
             var = _BY_ENV.get(name)
+            if var is None and name.startswith("SGLANG_KVBM_"):
+                close = difflib.get_close_matches(name, list(_BY_ENV), n=1)
+                hint = f"; did you mean {close[0]}?" if close else ""
+                raise ConfigError(f"{name} is not a setting of sglang-kvbm: remove it{hint}")
             if var is None:
                 if name not in _KVBM_PASSTHROUGH:
                     close = difflib.get_close_matches(name, list(_BY_ENV) + list(_KVBM_PASSTHROUGH), n=1)

@@ -129,6 +129,10 @@ class KvbmConnector:
         self.stats.lookup_hit_blocks += hit
         return hit
 
+    def peek(self, block_ids: Sequence[BlockId]) -> tuple[int, int]:
+        """Leading blocks held in host, and in host or disk, right now; changes nothing."""
+        return self._manager.peek(block_ids) if block_ids else (0, 0)
+
     def load(self, block_ids: Sequence[BlockId], device_pages: Sequence[int]) -> Optional[LoadResult]:
         """Copy all these blocks into the device pages, or none (None: recompute)."""
         if len(block_ids) != len(device_pages):

@@ -101,6 +101,8 @@ class BlockManager(Protocol):
       copy is never visible and never announced.
     * :meth:`lookup` counts how many leading ids of a prefix the tiers can serve
       now. It takes no reservation: :meth:`load` checks again.
+    * :meth:`peek` answers, changing nothing (no LRU touch, no policy), how many
+      leading ids are in the host tier, and how many in host or disk.
     * :meth:`load` copies *all* the named blocks into the device pages or none,
       and returns None for none. Bytes that cannot be proven intact are a miss.
       When it returns, the device pages hold the KV (stream-ordered on CUDA).
@@ -116,6 +118,8 @@ class BlockManager(Protocol):
     def store(self, pages: Sequence[PageStore]) -> Optional[int]: ...
 
     def lookup(self, block_ids: Sequence[BlockId]) -> int: ...
+
+    def peek(self, block_ids: Sequence[BlockId]) -> tuple[int, int]: ...
 
     def load(self, block_ids: Sequence[BlockId], device_pages: Sequence[int]) -> Optional[LoadResult]: ...
 

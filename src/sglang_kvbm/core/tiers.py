@@ -19,3 +19,8 @@ class Tier(enum.Enum):
     @property
     def medium(self) -> str:
         return self.value
+
+
+# The medium strings Dynamo's indexer (ai-dynamo-runtime 1.6.1) maps to a tier; any
+# other string makes it drop the whole event.
+ROUTER_MEDIA = frozenset({"GPU", "DEVICE", "CPU", "CPU_PINNED", "CPU_TIER1", "DISK", "CPU_TIER2", "NVME", "STORAGE"})

@@ -144,7 +144,13 @@ class DiskStore:
         page_size: int,
         staging_blocks: int = 32,
     ) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+        except ImportError as exc:
+            raise ConfigError(
+                f"the disk tier (DYN_KVBM_DISK_CACHE_GB) moves blocks through NIXL, which is not installed "
+                f"({exc}): pip install 'sglang-kvbm[disk]'"
+            ) from None
 
         if num_slots <= 0:
             raise ValueError(f"num_slots must be positive, got {num_slots}")

@@ -235,6 +235,18 @@ class LocalBlockManager:
             disk.touch(block_ids[:hit])
         return hit
 
+    def peek(self, block_ids: Sequence[BlockId]) -> tuple[int, int]:
+        host_run = lower_run = 0
+        in_host_prefix = True
+        for block_id in block_ids:
+            in_host = self._host is not None and self._host.registered(block_id)
+            if not in_host and not (self._disk is not None and self._disk.registered(block_id)):
+                break
+            in_host_prefix = in_host_prefix and in_host
+            host_run += in_host_prefix
+            lower_run += 1
+        return host_run, lower_run
+
     def load(self, block_ids: Sequence[BlockId], device_pages: Sequence[int]) -> Optional[LoadResult]:
         host_ids, host_rows, host_pages = [], [], []
         disk_ids, disk_pages = [], []

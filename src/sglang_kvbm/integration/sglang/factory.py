@@ -14,6 +14,8 @@ from sglang_kvbm.config import GIB, ConfigError, KvbmConfig
 from sglang_kvbm.core.connector import KvbmConnector
 from sglang_kvbm.core.offload_filter import FrequencyFilter
 from sglang_kvbm.core.onboard_policy import OnboardPolicy
+from sglang_kvbm.core.tiers import ROUTER_MEDIA, Tier
+from sglang_kvbm.integration.sglang.endpoint import start_http
 from sglang_kvbm.integration.sglang.events import SglangEventSink
 from sglang_kvbm.integration.sglang.fingerprint import server_fingerprint
 from sglang_kvbm.integration.sglang.kv_pool import UnsupportedPoolError, paged_layout
@@ -66,8 +68,32 @@ def create_kvbm_radix_cache(ctx: TreeCacheBuildContext) -> KvbmRadixCache:
         f"in {disk.directory}, offload filter {'off' if offload_filter is None else 'on'}",
     )
     cache = KvbmRadixCache(params, connector, sink)
+    _check_events(ctx, config, params.page_size)
+    if config.metrics:
+        server = start_http(cache, manager, config)
+        atexit.register(server.close)
     atexit.register(connector.close)  # flush the disk index and stop the copy threads
     return cache
+
+
+def _check_events(ctx, config: KvbmConfig, page_size: int) -> None:
+    """Refuse set-ups whose events Dynamo's router would drop or never match."""
+    bad = [tier.medium for tier in Tier if tier.medium not in ROUTER_MEDIA]
+    if bad:
+        raise ConfigError(f"tier media {bad} are not accepted by Dynamo's indexer, which drops such events")
+    if config.router_block_size is not None and config.router_block_size != page_size:
+        raise ConfigError(
+            f"SGLANG_KVBM_ROUTER_BLOCK_SIZE={config.router_block_size} but --page-size is {page_size}: events carry "
+            f"one page per block, and the router drops every event of another block size (hit rate 0). "
+            f"Start the router with --block-size {page_size} or SGLang with --page-size {config.router_block_size}"
+        )
+    if getattr(ctx.server_args, "kv_events_config", None):
+        logger.info(
+            "kvbm: KV events carry one page per block, block_size=%d, media GPU/CPU_PINNED/DISK: "
+            "run Dynamo's router or indexer with --block-size %d",
+            page_size,
+            page_size,
+        )
 
 
 def _build_disk(ctx, config: KvbmConfig, layout: PagedKvLayout, kvcache) -> tuple[DiskStore, OnboardPolicy]:

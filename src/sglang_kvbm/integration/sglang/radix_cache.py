@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import queue
 from array import array
+from concurrent.futures import Future
 from typing import Optional
 
 from sglang.srt.mem_cache.base_prefix_cache import (
@@ -43,7 +45,22 @@ from sglang.srt.mem_cache.utils import compute_node_hash_values, get_storage_has
 from sglang_kvbm.core.connector import KvbmConnector
 from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.ports import BlockMeta, PageStore
+from sglang_kvbm.integration.sglang.event_order import EventOrderer
 from sglang_kvbm.integration.sglang.events import SglangEventSink, page_event_identities
+
+
+@dataclasses.dataclass(frozen=True)
+class TierTokens:
+    """Tokens of a sequence this worker would serve from each tier right now.
+
+    Cumulative, as Dynamo's indexer reports them (``gpu``, ``cpu``, ``disk`` in its
+    ``/query`` answer): ``device`` from the device pool alone, ``host`` from device
+    and host, ``disk`` from all three. Whole pages only.
+    """
+
+    device: int
+    host: int
+    disk: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +86,8 @@ class KvbmRadixCache(RadixCache):
         self._kvbm = connector
         self._markers: dict[CacheRequestHandle, _LoadMarker] = {}
         self._serving = False
+        self._queries: queue.Queue = queue.Queue(maxsize=256)
+        self.events = EventOrderer()
         super().__init__(params)
         self._serving = True
         sink.bind(self.kv_events)
@@ -126,6 +145,7 @@ class KvbmRadixCache(RadixCache):
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         self._kvbm.poll()
+        self._answer_queries()
         result = super().match_prefix(params)
         req = params.req
         if req is None or self.disable:
@@ -145,14 +165,63 @@ class KvbmRadixCache(RadixCache):
         self._markers[req.cache_request_handle] = _LoadMarker(tuple(block_ids[:hit]), snapshot, device_len)
         return result._replace(host_hit_length=n)
 
-    def _hashes_after(self, node: TreeNode, key: RadixKey) -> list[BlockId]:
-        """Block ids of ``key``'s pages, chained from the last page under ``node``."""
+    def _hashes_after(self, node: TreeNode, key: RadixKey, pages_into_node: Optional[int] = None) -> list[BlockId]:
+        """Block ids of ``key``'s pages, chained from the last page under ``node``
+        (or from its ``pages_into_node``-th page, when the match ends inside it)."""
         prior = None
         if node is not self.root_node:
             if node.hash_value is None:
                 node.hash_value = compute_node_hash_values(node, self.page_size)
-            prior = node.hash_value[-1]
+            prior = node.hash_value[-1] if pages_into_node is None else node.hash_value[pages_into_node - 1]
         return get_storage_hash_str(key, prior, page_size=self.page_size)
+
+    # -- the truth about this worker's tiers ----------------------------------
+
+    def tier_tokens(
+        self, token_ids, *, extra_key: Optional[str] = None, cache_salt: Optional[str] = None
+    ) -> TierTokens:
+        """How many tokens of ``token_ids`` each tier would serve now (see :class:`TierTokens`).
+
+        Read-only: no node is split, no access time or LRU position changes. Call
+        it on the scheduler thread (or through :meth:`query_tiers` from another).
+        """
+        ps = self.page_size
+        key = RadixKey(array("q", token_ids), extra_key, cache_salt=cache_salt).page_aligned(ps)
+        node, matched, into = self.root_node, 0, None
+        while matched < len(key):
+            child = node.children.get(key.child_key_at(matched, ps))
+            if child is None:
+                break
+            common = child.key.match_at(key, matched, page_size=ps)
+            if common == 0:
+                break
+            matched += common
+            node = child
+            if common < len(child.key):
+                into = common // ps
+                break
+        rest = key[matched:]
+        if len(rest) < ps:
+            return TierTokens(matched, matched, matched)
+        host, lower = self._kvbm.peek(self._hashes_after(node, rest, into))
+        return TierTokens(matched, matched + host * ps, matched + lower * ps)
+
+    def query_tiers(self, token_ids, *, extra_key=None, cache_salt=None, timeout: float = 10.0) -> TierTokens:
+        """:meth:`tier_tokens` from any thread: answered by the scheduler thread between steps."""
+        future: Future = Future()
+        self._queries.put((list(token_ids), extra_key, cache_salt, future), timeout=timeout)
+        return future.result(timeout=timeout)
+
+    def _answer_queries(self) -> None:
+        while True:
+            try:
+                token_ids, extra_key, cache_salt, future = self._queries.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                future.set_result(self.tier_tokens(token_ids, extra_key=extra_key, cache_salt=cache_salt))
+            except Exception as exc:  # reported to the asking thread, never raised in the scheduler
+                future.set_exception(exc)
 
     def init_load_back(self, params: InitLoadBackParams) -> Optional[tuple[int, TreeNode]]:
         self._kvbm.poll()
@@ -207,6 +276,13 @@ class KvbmRadixCache(RadixCache):
         self._offload(node, self._page_stores(node), node.priority)
         return node
 
+    def evictable_size(self):
+        # The scheduler reads this every step and in its idle checks: a cheap,
+        # always-reached point to answer tier queries (read-only, like this call).
+        if not self._queries.empty():
+            self._answer_queries()
+        return super().evictable_size()
+
     # -- leaving the device ------------------------------------------------
 
     def evict(self, params: EvictParams) -> EvictResult:
@@ -236,5 +312,11 @@ class KvbmRadixCache(RadixCache):
         super().reset()
 
     def take_events(self):
+        """The worker's events, every tier, parents always before children (see ``event_order``).
+
+        The scheduler calls this after each step and when idle, so it is also where
+        tier queries from other threads are answered.
+        """
         self._kvbm.poll()
-        return super().take_events()
+        self._answer_queries()
+        return self.events.order(super().take_events())

@@ -1,0 +1,89 @@
+"""Dynamo's standalone KV indexer (``python -m dynamo.indexer``) as a subprocess.
+
+It runs from its own environment (``ai-dynamo-runtime==1.6.1`` pins a pydantic
+SGLang cannot use): ``SGLANG_KVBM_INDEXER_PYTHON`` names its interpreter, by
+default ``.venv-indexer/bin/python`` at the repository root (``make test``
+creates it). Note: the indexer listens on 0.0.0.0 and has no option to change it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Optional
+
+import requests
+
+from sglang_kvbm.testing.server import free_port
+
+_REPO = Path(__file__).resolve().parents[3]
+
+
+def indexer_python() -> Path:
+    return Path(os.environ.get("SGLANG_KVBM_INDEXER_PYTHON", _REPO / ".venv-indexer" / "bin" / "python"))
+
+
+class DynamoIndexer:
+    def __init__(self, *, log_path: Optional[Path] = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._proc: Optional[subprocess.Popen] = None
+
+    def start(self, timeout: float = 60.0) -> "DynamoIndexer":
+        python = indexer_python()
+        if not python.exists():
+            raise FileNotFoundError(f"{python} not found: run `make test` (it creates .venv-indexer) or set SGLANG_KVBM_INDEXER_PYTHON")
+        log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
+        self._proc = subprocess.Popen(
+            [str(python), "-m", "dynamo.indexer", "--port", str(self.port), "--threads", "1"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"dynamo.indexer exited with {self._proc.returncode}")
+            try:
+                requests.get(f"{self.url}/workers", timeout=1).raise_for_status()
+                return self
+            except requests.RequestException:
+                time.sleep(0.2)
+        self.stop()
+        raise TimeoutError("dynamo.indexer did not start")
+
+    def register(self, instance_id: int, endpoint: str, replay_endpoint: str, block_size: int) -> None:
+        body = {
+            "instance_id": instance_id,
+            "endpoint": endpoint,
+            "replay_endpoint": replay_endpoint,
+            "model_name": "default",
+            "block_size": block_size,
+        }
+        requests.post(f"{self.url}/register", json=body, timeout=10).raise_for_status()
+
+    def query(self, token_ids, cache_salt: Optional[str] = None) -> dict:
+        body = {"token_ids": list(token_ids), "model_name": "default"}
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        response = requests.post(f"{self.url}/query", json=body, timeout=10)
+        response.raise_for_status()
+        return response.json().get("instances", {})
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+
+    def __enter__(self) -> "DynamoIndexer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
