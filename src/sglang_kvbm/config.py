@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import logging
 import math
 import os
@@ -209,6 +210,37 @@ class KvbmConfig:
                 continue
             values[var.field] = var.parse(name, raw.strip())
         return cls(**values)
+
+    @classmethod
+    def from_sources(cls, environ: Optional[Mapping[str, str]] = None, json_text: Optional[str] = None) -> "KvbmConfig":
+        """The environment, overridden by a ``--kvbm-config`` JSON object with the same settings.
+
+        JSON keys are the variable names (``"DYN_KVBM_CPU_CACHE_GB"``) or the field
+        names (``"cpu_cache_gb"``); values go through the same parsing as the
+        environment's. An unknown key is an error.
+        """
+        config = cls.from_env(environ)
+        if not json_text:
+            return config
+        try:
+            data = json.loads(json_text)
+        except ValueError as exc:
+            raise ConfigError(f"--kvbm-config is not valid JSON ({exc}): pass an object, e.g. '{{\"cpu_cache_gb\": 4}}'") from None
+        if not isinstance(data, dict):
+            raise ConfigError("--kvbm-config must be a JSON object, e.g. '{\"cpu_cache_gb\": 4}'")
+        by_field = {v.field: v for v in _VARS}
+        values = {}
+        for key, raw in data.items():
+            var = _BY_ENV.get(key) or by_field.get(str(key).lower())
+            if var is None:
+                known = ", ".join(sorted(by_field))
+                raise ConfigError(f"--kvbm-config key {key!r} is unknown; known keys: {known}")
+            if isinstance(raw, bool):
+                raw = "true" if raw else "false"
+            elif raw is None or isinstance(raw, (list, dict)):
+                raise ConfigError(f"--kvbm-config key {key!r} needs a number, string or boolean, got {raw!r}")
+            values[var.field] = var.parse(f"--kvbm-config {key}", str(raw))
+        return dataclasses.replace(config, **values)
 
     def host_blocks(self, block_bytes: int) -> int:
         """Blocks in the host tier for blocks of ``block_bytes`` (0 when the tier is off)."""

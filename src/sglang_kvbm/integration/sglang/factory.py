@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 def create_kvbm_radix_cache(ctx: TreeCacheBuildContext) -> KvbmRadixCache:
     """The ``kvbm`` radix-cache backend: validate, size the tiers, wire the core."""
     _check_supported(ctx)
-    config = KvbmConfig.from_env()
+    # --kvbm-config exists on SGLang with this project's version patch applied.
+    config = KvbmConfig.from_sources(json_text=getattr(ctx.server_args, "kvbm_config", None))
     config.require_a_tier()
     params = ctx.params
     allocator = params.token_to_kv_pool_allocator

@@ -311,6 +311,11 @@ class KvbmRadixCache(RadixCache):
         self._markers.clear()
         super().reset()
 
+    def check_hicache_events(self) -> None:
+        """The per-step poll (SGLang with this project's version patch calls it every step)."""
+        self._kvbm.poll()
+        self._answer_queries()
+
     def take_events(self):
         """The worker's events, every tier, parents always before children (see ``event_order``).
 

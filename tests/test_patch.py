@@ -1,0 +1,61 @@
+"""The version patch: applied to SGLang 0.5.23's real source, then served end to end with --enable-kvbm.
+
+The patched tree runs from ``PYTHONPATH`` with plugins switched off
+(``SGLANG_PLUGINS=none``), so the backend is reached through the patch's own
+flags and registration, not the entry point.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import run_e2e_sequence
+from sglang_kvbm.testing.server import ServerError, SglangServer
+
+pytestmark = pytest.mark.server
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def patched_tree(tmp_path_factory):
+    dest = tmp_path_factory.mktemp("sglang") / "checkout"
+    subprocess.run([sys.executable, str(ROOT / "patches" / "checkout_sglang.py"), "--dest", str(dest)], check=True)
+    return dest / "python"
+
+
+def patched_server(model_dir, tree, log, kvbm_config):
+    return SglangServer(
+        model_dir,
+        max_total_tokens=1024,
+        extra_args=["--enable-kvbm", "--kvbm-config", json.dumps(kvbm_config)],
+        env={"PYTHONPATH": str(tree), "SGLANG_PLUGINS": "none"},
+        log_path=log,
+    )
+
+
+def test_patched_sglang_serves_host_hits_with_stock_output(model_dir, patched_tree, stock_results, tmp_path):
+    log = tmp_path / "server.log"
+    with patched_server(model_dir, patched_tree, log, {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": 2048}) as server:
+        results = run_e2e_sequence(server)
+    text = log.read_text()
+    assert str(patched_tree) in text  # the patched tree is what ran
+    assert "source=registered('kvbm')" in text
+    assert results[-1]["meta_info"]["cached_tokens_details"]["host"] == 596
+    for ours, name in zip(results, ("A", "B", "C", "A2")):
+        assert ours["output_ids"] == stock_results[name]["output_ids"]
+        assert ours["meta_info"]["output_token_logprobs"] == stock_results[name]["meta_info"]["output_token_logprobs"]
+
+
+def test_bad_kvbm_config_stops_the_launcher(model_dir, patched_tree, tmp_path):
+    log = tmp_path / "server.log"
+    server = patched_server(model_dir, patched_tree, log, {"cpu_cache_gb": -1})
+    with pytest.raises(ServerError):
+        server.start(timeout=120)
+    server.stop()
+    assert "--kvbm-config cpu_cache_gb='-1' must be a positive size" in log.read_text()
