@@ -8,12 +8,17 @@ with another page size loads nothing.
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
+import requests
+from sglang.srt.disaggregation.kv_events import BlockStored
 
 from conftest import e2e_prompts, run_e2e_sequence
-from sglang_kvbm.testing.server import SglangServer
+from sglang_kvbm.integration.sglang.event_stream import replay
+from sglang_kvbm.testing.model import prompt_ids
+from sglang_kvbm.testing.server import SglangServer, free_port
 
 pytestmark = pytest.mark.server
 
@@ -30,13 +35,38 @@ def disk_env(directory, **extra):
     }
 
 
-def start(model_dir, directory, log, page_size=4):
+class Observed:
+    """Metrics endpoint and event stream of a server."""
+
+    def __init__(self):
+        self.http = free_port()
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.replay = f"tcp://127.0.0.1:{free_port()}"
+
+    def args(self):
+        config = {"publisher": "zmq", "endpoint": self.endpoint, "bind": True, "replay_endpoint": self.replay}
+        return ["--kv-events-config", json.dumps(config)]
+
+    def env(self):
+        return {"DYN_KVBM_METRICS": "true", "DYN_KVBM_METRICS_PORT": str(self.http)}
+
+    def metrics(self):
+        text = requests.get(f"http://127.0.0.1:{self.http}/metrics", timeout=30).text
+        values = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        return values
+
+
+def start(model_dir, directory, log, page_size=4, observed=None):
     return SglangServer(
         model_dir,
         page_size=page_size,
         max_total_tokens=1024,
-        extra_args=["--radix-cache-backend", "kvbm"],
-        env=disk_env(directory),
+        extra_args=["--radix-cache-backend", "kvbm"] + (observed.args() if observed else []),
+        env=disk_env(directory, **(observed.env() if observed else {})),
         log_path=log,
     )
 
@@ -63,17 +93,41 @@ def corrupt_every_block(path):
             f.write(bytes([byte[0] ^ 0x40]))
 
 
+def check_metrics_against_work(server, observed, results):
+    """KVBM's counters, scraped, equal what the responses and the event stream say was done."""
+    server.generate(prompt_ids(99, 8), max_new_tokens=1)  # drain the last copies into events
+    metrics = observed.metrics()
+    host_tokens = sum((r["meta_info"].get("cached_tokens_details") or {}).get("host", 0) for r in results)
+    disk_tokens = sum((r["meta_info"].get("cached_tokens_details") or {}).get("storage", 0) for r in results)
+    assert metrics["kvbm_onboard_blocks_h2d"] == host_tokens // 4
+    assert metrics["kvbm_onboard_blocks_d2d"] == disk_tokens // 4 > 0
+    assert metrics["kvbm_matched_tokens"] == host_tokens + disk_tokens
+    stores = {"CPU_PINNED": 0, "DISK": 0}
+    for _, batch in replay(observed.replay):
+        for event in batch.events:
+            if isinstance(event, BlockStored) and event.medium in stores:
+                stores[event.medium] += len(event.block_hashes)
+    assert metrics["kvbm_offload_blocks_d2h"] == stores["CPU_PINNED"] > 0
+    assert metrics["kvbm_offload_blocks_h2d"] + metrics["kvbm_offload_blocks_d2d"] == stores["DISK"] > 0
+    assert 0 < metrics["kvbm_disk_cache_hit_rate"] <= 1 and 0 <= metrics["kvbm_host_cache_hit_rate"] <= 1
+    assert metrics['kvbm_transfer_seconds_count{path="d2h"}'] > 0
+    assert metrics['kvbm_transfer_seconds_count{path="onboard_d2d"}'] > 0
+    assert metrics['kvbm_tier_blocks{tier="disk"}'] > 0
+
+
 def test_disk_hits_faults_and_restart(model_dir, stock_results, tmp_path):
     directory = tmp_path / "kvbm-disk"
     log = tmp_path / "server.log"
     prompts = e2e_prompts()
 
-    with start(model_dir, directory, log) as server:
+    observed = Observed()
+    with start(model_dir, directory, log, observed=observed) as server:
         results = run_e2e_sequence(server)
         details = results[-1]["meta_info"]["cached_tokens_details"]
         assert details.get("storage", 0) > 0 and details["storage"] + details["host"] == 596, details
         for ours, name in zip(results, ("A", "B", "C", "A2")):
             assert same_output(ours, stock_results[name]), name
+        check_metrics_against_work(server, observed, results)
 
         # A bit flipped in every block on disk: the next disk hit is refused and recomputed.
         corrupt_every_block(segment(directory))

@@ -45,6 +45,7 @@ class ConnectorStats:
     disk_blocks_removed: int = 0
     lookups: int = 0
     lookup_hit_blocks: int = 0
+    requested_blocks: int = 0  # blocks below the device that finished requests wanted
     onboard_blocks_h2d: int = 0  # kvbm_onboard_blocks_h2d: host -> device
     onboard_blocks_d2d: int = 0  # kvbm_onboard_blocks_d2d: disk -> device
     failed_loads: int = 0
@@ -145,6 +146,10 @@ class KvbmConnector:
         self.stats.failed_loads += 1
         logger.info("kvbm: load of %d blocks missed; the request recomputes them", len(block_ids))
         return None
+
+    def request_done(self, wanted_blocks: int) -> None:
+        """A request finished; it wanted ``wanted_blocks`` blocks beyond its device match (hit-rate denominator)."""
+        self.stats.requested_blocks += wanted_blocks
 
     def counts(self) -> tuple[TierCounts, ...]:
         device = TierCounts(Tier.DEVICE, len(self._device), -1)

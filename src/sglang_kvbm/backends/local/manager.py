@@ -25,7 +25,7 @@ import logging
 import time
 from collections import deque
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
-from typing import Optional, Sequence
+from typing import Optional, Protocol, Sequence
 
 from sglang_kvbm.backends.local.disk_store import DiskStore, Reservation
 from sglang_kvbm.backends.local.host_pool import HostBlockPool, Reserved
@@ -76,6 +76,17 @@ class LocalStats:
     disk_blocks_invalidated: int = 0
 
 
+class TransferObserver(Protocol):
+    def observe(self, path: str, nbytes: int, seconds: float) -> None: ...
+
+
+def _timed(fn, *args):
+    """Run ``fn`` on a worker and return ``(result, seconds)``."""
+    started = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - started
+
+
 class LocalBlockManager:
     """A :class:`~sglang_kvbm.core.ports.BlockManager` over a host slab and/or a disk store."""
 
@@ -90,6 +101,7 @@ class LocalBlockManager:
         disk_executor: Optional[Executor] = None,
         offload_filter: Optional[FrequencyFilter] = None,
         policy: Optional[OnboardPolicy] = None,
+        observer: Optional[TransferObserver] = None,
     ) -> None:
         """``executor``/``disk_executor`` run copies in order (default: one thread each);
         ``offload_filter`` None writes every host block to disk; ``policy`` None always loads."""
@@ -102,6 +114,7 @@ class LocalBlockManager:
             disk.register_dram(self._host.slab)
         self._filter = offload_filter
         self._policy = policy
+        self.observer = observer
         self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbm-offload")
         self._disk_executor = None
         if disk is not None:
@@ -115,6 +128,10 @@ class LocalBlockManager:
         self.stats = LocalStats()
         if disk is not None and len(disk):
             self._announce_restored(disk.registered_metas())
+
+    @property
+    def layout(self) -> PagedKvLayout:
+        return self._layout
 
     @property
     def host(self) -> Optional[HostBlockPool]:
@@ -151,7 +168,7 @@ class LocalBlockManager:
             device_pages = [page.device_page for page in todo[: len(reserved)]]
             rows = [row for row, _ in reserved]
             future = self._executor.submit(
-                self._layout.save, device_pages, self._host.slab, rows, self._layout.ready_event()
+                _timed, self._layout.save, device_pages, self._host.slab, rows, self._layout.ready_event()
             )
             self._jobs.append(_HostJob(ticket, self._generation, tuple(reserved), future))
             self._parts[ticket] = self._parts.get(ticket, 0) + 1
@@ -167,7 +184,7 @@ class LocalBlockManager:
         if reserved:
             device_pages = [page.device_page for page in todo[: len(reserved)]]
             future = self._disk_executor.submit(
-                self._device_to_disk, device_pages, tuple(reserved), self._layout.ready_event()
+                _timed, self._device_to_disk, device_pages, tuple(reserved), self._layout.ready_event()
             )
             self._disk_jobs.append(_DiskJob(ticket, self._generation, tuple(reserved), (), (), future))
             self._parts[ticket] = self._parts.get(ticket, 0) + 1
@@ -199,7 +216,7 @@ class LocalBlockManager:
         ids = tuple(r.meta.block_id for r in reserved)
         rows = self._host.pin(ids)
         slab = self._host.slab
-        future = self._disk_executor.submit(self._disk.write, tuple(reserved), [slab[row] for row in rows])
+        future = self._disk_executor.submit(_timed, self._disk.write, tuple(reserved), [slab[row] for row in rows])
         self._disk_jobs.append(_DiskJob(None, self._generation, tuple(reserved), ids, tuple(rows), future))
         self.stats.disk_writes_submitted += 1
 
@@ -263,12 +280,14 @@ class LocalBlockManager:
         if disk_ids and not self._load_from_disk(disk_ids, disk_pages):
             return None
         if host_ids:
+            started = time.perf_counter()
             try:
                 self._layout.load(host_rows, self._host.slab, host_pages)
             except Exception:  # the request recomputes; the caller frees its pages
                 logger.exception("kvbm: host->device copy of %d blocks failed", len(host_ids))
                 self.stats.load_failures += 1
                 return None
+            self._observe("onboard_h2d", len(host_ids) * self._layout.page_bytes, time.perf_counter() - started)
             self._host.touch(host_ids)
             self._offload_to_disk(self._earned_disk([self._host_meta(b) for b in host_ids]))
         return LoadResult(len(host_ids), len(disk_ids))
@@ -302,8 +321,10 @@ class LocalBlockManager:
                 )
             self.stats.load_failures += 1
             return False
+        seconds = time.perf_counter() - started
         if self._policy is not None:
-            self._policy.read.record(len(block_ids) * self._disk.slot_bytes, time.perf_counter() - started)
+            self._policy.read.record(len(block_ids) * self._disk.slot_bytes, seconds)
+        self._observe("onboard_d2d", len(block_ids) * self._disk.slot_bytes, seconds)
         self._disk.touch(block_ids)
         return True
 
@@ -327,6 +348,7 @@ class LocalBlockManager:
                 self._host.abort(job.reserved)
             else:
                 metas = self._host.commit(job.reserved)
+                self._observe("d2h", len(metas) * self._layout.page_bytes, job.future.result()[1])
                 self._events.append(TierEvent(TierEventKind.STORED, Tier.HOST, tuple(metas), Tier.DEVICE))
                 earned += self._earned_disk(metas)
         while self._disk_jobs and self._disk_jobs[0].future.done():
@@ -346,8 +368,10 @@ class LocalBlockManager:
                 self.stats.disk_write_failures += 1
                 self._disk.abort(job.reserved)
                 continue
-            metas = self._disk.commit(job.reserved, job.future.result())
+            headers, seconds = job.future.result()
+            metas = self._disk.commit(job.reserved, headers)
             source = Tier.HOST if job.ticket is None else Tier.DEVICE
+            self._observe("h2d" if source is Tier.HOST else "d2d", len(job.reserved) * self._disk.slot_bytes, seconds)
             self._events.append(TierEvent(TierEventKind.STORED, Tier.DISK, tuple(metas), source))
         self._offload_to_disk(earned)
         if self._disk is not None:
@@ -355,6 +379,10 @@ class LocalBlockManager:
             self._disk.persist()
         events, self._events = self._events, []
         return PollResult(tuple(completed), tuple(events))
+
+    def _observe(self, path: str, nbytes: int, seconds: float) -> None:
+        if self.observer is not None:
+            self.observer.observe(path, nbytes, seconds)
 
     def _part_done(self, ticket: int, completed: list[int]) -> None:
         left = self._parts.pop(ticket) - 1

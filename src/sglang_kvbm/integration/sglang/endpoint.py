@@ -7,7 +7,10 @@ from typing import Optional
 
 from sglang_kvbm.backends.local.manager import LocalBlockManager
 from sglang_kvbm.config import KvbmConfig
+from prometheus_client import CONTENT_TYPE_LATEST
+
 from sglang_kvbm.http_server import KvbmHttpServer, json_reply
+from sglang_kvbm.metrics import KvbmMetrics
 from sglang_kvbm.integration.sglang.radix_cache import KvbmRadixCache
 
 
@@ -27,7 +30,35 @@ def stats_of(cache: KvbmRadixCache, manager: LocalBlockManager) -> dict:
     return stats
 
 
-def start_http(cache: KvbmRadixCache, manager: LocalBlockManager, config: KvbmConfig) -> KvbmHttpServer:
+def metrics_snapshot(cache: KvbmRadixCache, manager: LocalBlockManager) -> dict:
+    """The numbers behind KVBM's metric names, from the live counters."""
+    c = cache.connector.stats
+    wanted = max(1, c.requested_blocks)
+    block_bytes = {"device": manager.layout.page_bytes, "host": manager.layout.block_bytes}
+    if manager.disk is not None:
+        block_bytes["disk"] = manager.disk.slot_bytes
+    tiers = {}
+    for count in cache.connector.counts():
+        name = count.tier.name.lower()
+        tiers[name] = (count.blocks, max(count.capacity, 0), count.blocks * block_bytes[name])
+    return {
+        "kvbm_offload_blocks_d2h": c.offload_blocks_d2h,
+        "kvbm_offload_blocks_h2d": c.offload_blocks_h2d,
+        "kvbm_offload_blocks_d2d": c.offload_blocks_d2d,
+        "kvbm_onboard_blocks_h2d": c.onboard_blocks_h2d,
+        "kvbm_onboard_blocks_d2d": c.onboard_blocks_d2d,
+        "kvbm_matched_tokens": (c.onboard_blocks_h2d + c.onboard_blocks_d2d) * manager.layout.page_size,
+        # Of the blocks beyond their device match that finished requests wanted, the share each tier served.
+        "kvbm_host_cache_hit_rate": min(1.0, c.onboard_blocks_h2d / wanted),
+        "kvbm_disk_cache_hit_rate": min(1.0, c.onboard_blocks_d2d / wanted),
+        "tiers": tiers,
+        "invalidated": dict(manager.disk.stats.invalidated) if manager.disk is not None else {},
+    }
+
+
+def start_http(
+    cache: KvbmRadixCache, manager: LocalBlockManager, config: KvbmConfig, metrics: Optional[KvbmMetrics] = None
+) -> KvbmHttpServer:
     def tiers(body: Optional[dict]):
         if not body or not isinstance(body.get("token_ids"), list):
             return json_reply({"error": 'POST {"token_ids": [int, ...]}'}, 400)
@@ -41,4 +72,6 @@ def start_http(cache: KvbmRadixCache, manager: LocalBlockManager, config: KvbmCo
         ("POST", "/tiers"): tiers,
         ("GET", "/stats"): lambda _: json_reply(stats_of(cache, manager)),
     }
+    if metrics is not None:
+        routes[("GET", "/metrics")] = lambda _: (200, CONTENT_TYPE_LATEST, metrics.render())
     return KvbmHttpServer(config.http_host, config.metrics_port, routes)

@@ -15,7 +15,8 @@ from sglang_kvbm.core.connector import KvbmConnector
 from sglang_kvbm.core.offload_filter import FrequencyFilter
 from sglang_kvbm.core.onboard_policy import OnboardPolicy
 from sglang_kvbm.core.tiers import ROUTER_MEDIA, Tier
-from sglang_kvbm.integration.sglang.endpoint import start_http
+from sglang_kvbm.integration.sglang.endpoint import metrics_snapshot, start_http
+from sglang_kvbm.metrics import KvbmMetrics
 from sglang_kvbm.integration.sglang.events import SglangEventSink
 from sglang_kvbm.integration.sglang.fingerprint import server_fingerprint
 from sglang_kvbm.integration.sglang.kv_pool import UnsupportedPoolError, paged_layout
@@ -51,8 +52,15 @@ def create_kvbm_radix_cache(ctx: TreeCacheBuildContext) -> KvbmRadixCache:
     if config.has_disk:
         disk, policy = _build_disk(ctx, config, layout, kvcache)
         offload_filter = None if config.disable_disk_offload_filter else FrequencyFilter()
+    metrics = KvbmMetrics(lambda: metrics_snapshot(cache, manager)) if config.metrics else None
     manager = LocalBlockManager(
-        layout, host_blocks, pin=layout.is_cuda, disk=disk, offload_filter=offload_filter, policy=policy
+        layout,
+        host_blocks,
+        pin=layout.is_cuda,
+        disk=disk,
+        offload_filter=offload_filter,
+        policy=policy,
+        observer=metrics,
     )
     sink = SglangEventSink()
     connector = KvbmConnector(manager, sink, min_offload_priority=config.host_offload_min_priority)
@@ -71,7 +79,7 @@ def create_kvbm_radix_cache(ctx: TreeCacheBuildContext) -> KvbmRadixCache:
     cache = KvbmRadixCache(params, connector, sink)
     _check_events(ctx, config, params.page_size)
     if config.metrics:
-        server = start_http(cache, manager, config)
+        server = start_http(cache, manager, config, metrics)
         atexit.register(server.close)
     atexit.register(connector.close)  # flush the disk index and stop the copy threads
     return cache

@@ -85,6 +85,7 @@ class KvbmRadixCache(RadixCache):
         # builds the tree and must not clear tiers restored from disk.
         self._kvbm = connector
         self._markers: dict[CacheRequestHandle, _LoadMarker] = {}
+        self._wanted: dict[CacheRequestHandle, int] = {}  # blocks beyond the device match, per live request
         self._serving = False
         self._queries: queue.Queue = queue.Queue(maxsize=256)
         self.events = EventOrderer()
@@ -157,6 +158,7 @@ class KvbmRadixCache(RadixCache):
             return result
         rest = key[device_len:]
         block_ids = self._hashes_after(result.last_device_node, rest)
+        self._wanted[req.cache_request_handle] = len(block_ids)
         hit = self._kvbm.lookup(block_ids)
         if hit == 0:
             return result
@@ -298,10 +300,12 @@ class KvbmRadixCache(RadixCache):
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         self._markers.pop(req.cache_request_handle, None)
+        self._kvbm.request_done(self._wanted.pop(req.cache_request_handle, 0))
         super().on_release(req, checkpointed=checkpointed)
 
     def release_aborted_request(self, handle: CacheRequestHandle) -> None:
         self._markers.pop(handle, None)
+        self._wanted.pop(handle, None)
         super().release_aborted_request(handle)
 
     def reset(self) -> None:
@@ -309,6 +313,7 @@ class KvbmRadixCache(RadixCache):
         if self._serving:
             self._kvbm.reset()
         self._markers.clear()
+        self._wanted.clear()
         super().reset()
 
     def check_hicache_events(self) -> None:

@@ -1,0 +1,78 @@
+"""Prometheus metrics under KVBM's names, so KVBM's Grafana dashboard works unchanged.
+
+KVBM's own counters (``kvbm_offload_blocks_d2h`` ...) are exported under their
+exact names, without the ``_total`` suffix the Python client would add (KVBM's
+Rust exporter adds none), as untyped samples read from the live counters at
+scrape time: nothing is counted twice and nothing runs on the hot path. This
+library's own additions (transfer times and bytes per path, tier occupancy,
+verification failures) are ordinary Prometheus families.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+# KVBM's names (lib/runtime metrics, "kvbm" namespace) and their meaning.
+KVBM_COUNTERS = {
+    "kvbm_offload_blocks_d2h": "Offload blocks from device to host",
+    "kvbm_offload_blocks_h2d": "Offload blocks from host to disk",
+    "kvbm_offload_blocks_d2d": "Offload blocks from device to disk (bypassing host)",
+    "kvbm_onboard_blocks_h2d": "Onboard blocks from host to device",
+    "kvbm_onboard_blocks_d2d": "Onboard blocks from disk to device",
+    "kvbm_matched_tokens": "Number of matched tokens",
+}
+KVBM_GAUGES = {
+    "kvbm_host_cache_hit_rate": "Host cache hit rate (0.0-1.0)",
+    "kvbm_disk_cache_hit_rate": "Disk cache hit rate (0.0-1.0)",
+}
+TRANSFER_PATHS = ("d2h", "h2d", "d2d", "onboard_h2d", "onboard_d2d")
+_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
+
+
+class KvbmMetrics:
+    """One registry per worker: KVBM's counters and gauges from ``snapshot()``, plus transfer histograms."""
+
+    def __init__(self, snapshot: Callable[[], dict]) -> None:
+        self.registry = CollectorRegistry()
+        self._snapshot = snapshot
+        self._seconds = Histogram(
+            "kvbm_transfer_seconds", "Duration of one tier transfer", ["path"], registry=self.registry, buckets=_BUCKETS
+        )
+        self._bytes = Counter("kvbm_transfer_bytes", "Bytes moved between tiers", ["path"], registry=self.registry)
+        self.registry.register(self)
+
+    def observe(self, path: str, nbytes: int, seconds: float) -> None:
+        """A transfer finished (called by the block manager; cheap)."""
+        self._seconds.labels(path).observe(seconds)
+        self._bytes.labels(path).inc(nbytes)
+
+    def collect(self) -> Iterable[Metric]:
+        snap = self._snapshot()
+        for name, doc in KVBM_COUNTERS.items():
+            metric = Metric(name, doc, "unknown")
+            metric.add_sample(name, {}, float(snap.get(name, 0)))
+            yield metric
+        for name, doc in KVBM_GAUGES.items():
+            yield GaugeMetricFamily(name, doc, value=float(snap.get(name, 0.0)))
+        blocks = GaugeMetricFamily("kvbm_tier_blocks", "Blocks a tier holds", labels=["tier"])
+        capacity = GaugeMetricFamily("kvbm_tier_capacity_blocks", "Blocks a tier can hold", labels=["tier"])
+        used = GaugeMetricFamily("kvbm_tier_bytes", "Bytes of KV a tier holds", labels=["tier"])
+        for tier, (n, cap, nbytes) in snap.get("tiers", {}).items():
+            blocks.add_metric([tier], n)
+            capacity.add_metric([tier], cap)
+            used.add_metric([tier], nbytes)
+        yield blocks
+        yield capacity
+        yield used
+        invalid = GaugeMetricFamily(
+            "kvbm_disk_invalidated_blocks", "Disk blocks dropped because their bytes could not be verified", labels=["reason"]
+        )
+        for reason, n in snap.get("invalidated", {}).items():
+            invalid.add_metric([reason], n)
+        yield invalid
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
