@@ -17,13 +17,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     events.add_argument("endpoint", help="the worker's --kv-events-config endpoint, e.g. tcp://127.0.0.1:5557")
     events.add_argument("--replay", metavar="ENDPOINT", help="its replay_endpoint: print the buffered history first")
     events.add_argument("--seconds", type=float, help="stop after this long without (or with) events")
+    sub.add_parser("doctor", help="check versions, CUDA, configuration, memory and the disk directory")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    level = logging.WARNING if args.command == "doctor" else logging.INFO
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
 
     if args.command == "demo":
         from sglang_kvbm.demo import main as demo_main
 
         return demo_main(args.out)
+    if args.command == "doctor":
+        from sglang_kvbm.doctor import main as doctor_main
+
+        return doctor_main(sys.stdout)
     if args.command == "events":
         from sglang_kvbm.integration.sglang.events_view import watch
 

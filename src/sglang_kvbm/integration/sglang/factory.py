@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import atexit
 import logging
+from typing import Any, Optional
 
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
 from sglang_kvbm.backends.local.disk_setup import probe
@@ -32,8 +34,35 @@ def create_kvbm_radix_cache(ctx: TreeCacheBuildContext) -> KvbmRadixCache:
     _check_supported(ctx)
     # --kvbm-config exists on SGLang with this project's version patch applied.
     config = KvbmConfig.from_sources(json_text=getattr(ctx.server_args, "kvbm_config", None))
+    _check_events(ctx, config, ctx.params.page_size)
+    model_config = getattr(ctx, "model_config", None)
+    return build_cache(
+        ctx.params,
+        config,
+        model_path=str(getattr(model_config, "model_path", "") or getattr(ctx.server_args, "model_path", "")),
+        revision=getattr(model_config, "revision", None),
+        tp_rank=ctx.tp_rank,
+        tp_size=ctx.tp_size,
+        tp_worker=ctx.tp_worker,
+    )
+
+
+def build_cache(
+    params: CacheInitParams,
+    config: KvbmConfig,
+    *,
+    model_path: str = "",
+    revision: Optional[str] = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    tp_worker: Any = None,
+) -> KvbmRadixCache:
+    """A :class:`KvbmRadixCache` over the pools in ``params``, with the tiers ``config`` describes.
+
+    ``model_path`` (with ``revision``, TP rank and size) names the disk tier's
+    identity; ``tp_worker``, when given, lets the onboard policy measure prefill.
+    """
     config.require_a_tier()
-    params = ctx.params
     allocator = params.token_to_kv_pool_allocator
     kvcache = allocator.get_kvcache()
     layout = paged_layout(kvcache, params.page_size)
@@ -50,8 +79,14 @@ def create_kvbm_radix_cache(ctx: TreeCacheBuildContext) -> KvbmRadixCache:
         )
     disk = policy = offload_filter = None
     if config.has_disk:
-        disk, policy = _build_disk(ctx, config, layout, kvcache)
+        fingerprint, description = server_fingerprint(
+            model_path, layout, kvcache, revision=revision, tp_rank=tp_rank, tp_size=tp_size
+        )
+        disk, policy = _build_disk(config, layout, fingerprint, description)
+        if tp_worker is not None:
+            attach_prefill_meter(tp_worker, policy.prefill)
         offload_filter = None if config.disable_disk_offload_filter else FrequencyFilter()
+    cache: Optional[KvbmRadixCache] = None
     metrics = KvbmMetrics(lambda: metrics_snapshot(cache, manager)) if config.metrics else None
     manager = LocalBlockManager(
         layout,
@@ -77,12 +112,30 @@ def create_kvbm_radix_cache(ctx: TreeCacheBuildContext) -> KvbmRadixCache:
         f"in {disk.directory}, offload filter {'off' if offload_filter is None else 'on'}",
     )
     cache = KvbmRadixCache(params, connector, sink)
-    _check_events(ctx, config, params.page_size)
     if config.metrics:
-        server = start_http(cache, manager, config, metrics)
-        atexit.register(server.close)
-    atexit.register(connector.close)  # flush the disk index and stop the copy threads
+        cache.add_closer(start_http(cache, manager, config, metrics).close)
+    atexit.register(cache.close)  # flush the disk index and stop the copy threads
     return cache
+
+
+def _build_disk(config: KvbmConfig, layout: PagedKvLayout, fingerprint: bytes, description: dict):
+    page_size = layout.page_size
+    slot_bytes = DiskStore.header_bytes_for(page_size) + layout.block_bytes
+    blocks = config.disk_blocks(slot_bytes)
+    found = probe(
+        config.disk_cache_dir,
+        blocks * slot_bytes,
+        zerofill_fallback=config.disk_zerofill_fallback,
+        disable_o_direct=config.disk_disable_o_direct,
+        already_ours=DiskStore.existing_bytes(config.disk_cache_dir, fingerprint),
+    )
+    logger.info("kvbm: disk identity %s: %s", fingerprint.hex(), description)
+    disk = DiskStore(
+        probe=found, num_slots=blocks, block_bytes=layout.block_bytes, fingerprint=fingerprint, page_size=page_size
+    )
+    policy = OnboardPolicy(bytes_per_token=slot_bytes / page_size)
+    policy.read.record(4 << 20, (4 << 20) / found.read_bytes_per_s)  # seeded by the probe, refined by real reads
+    return disk, policy
 
 
 def _check_events(ctx, config: KvbmConfig, page_size: int) -> None:
@@ -103,29 +156,6 @@ def _check_events(ctx, config: KvbmConfig, page_size: int) -> None:
             page_size,
             page_size,
         )
-
-
-def _build_disk(ctx, config: KvbmConfig, layout: PagedKvLayout, kvcache) -> tuple[DiskStore, OnboardPolicy]:
-    fingerprint, description = server_fingerprint(ctx, layout, kvcache)
-    page_size = layout.page_size
-    slot_bytes = DiskStore.header_bytes_for(page_size) + layout.block_bytes
-    blocks = config.disk_blocks(slot_bytes)
-    found = probe(
-        config.disk_cache_dir,
-        blocks * slot_bytes,
-        zerofill_fallback=config.disk_zerofill_fallback,
-        disable_o_direct=config.disk_disable_o_direct,
-        already_ours=DiskStore.existing_bytes(config.disk_cache_dir, fingerprint),
-    )
-    logger.info("kvbm: disk identity %s: %s", fingerprint.hex(), description)
-    disk = DiskStore(
-        probe=found, num_slots=blocks, block_bytes=layout.block_bytes, fingerprint=fingerprint, page_size=page_size
-    )
-    policy = OnboardPolicy(bytes_per_token=slot_bytes / page_size)
-    policy.read.record(4 << 20, (4 << 20) / found.read_bytes_per_s)  # seeded by the probe, refined by real reads
-    if ctx.tp_worker is not None:
-        attach_prefill_meter(ctx.tp_worker, policy.prefill)
-    return disk, policy
 
 
 def _check_supported(ctx: TreeCacheBuildContext) -> None:

@@ -14,14 +14,20 @@ from sglang_kvbm.kv_layout import PagedKvLayout
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
-def server_fingerprint(ctx: Any, layout: PagedKvLayout, kvcache: Any) -> tuple[bytes, dict]:
+def server_fingerprint(
+    model_path: str,
+    layout: PagedKvLayout,
+    kvcache: Any,
+    *,
+    revision: Any = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> tuple[bytes, dict]:
     """16 bytes naming what a block's bytes depend on, and the readable description behind them.
 
     The model is identified by its path and the size and mtime of its config and
     weight files, so weights replaced in place are a different model.
     """
-    model_config = getattr(ctx, "model_config", None)
-    model_path = str(getattr(model_config, "model_path", "") or getattr(ctx.server_args, "model_path", ""))
     files = []
     directory = Path(model_path)
     if directory.is_dir():
@@ -33,13 +39,13 @@ def server_fingerprint(ctx: Any, layout: PagedKvLayout, kvcache: Any) -> tuple[b
         "format": FORMAT_VERSION,
         "model_path": os.path.abspath(model_path) if model_path else "",
         "model_files": files,
-        "revision": getattr(model_config, "revision", None),
+        "revision": revision,
         "pool": type(kvcache).__name__,
         "dtype": str(getattr(kvcache, "dtype", "")),
         "layout": getattr(kvcache, "kv_cache_layout", "nhd"),
         "page_size": layout.page_size,
         "buffer_page_bytes": list(layout.buffer_page_bytes),
-        "tp": [ctx.tp_rank, ctx.tp_size],
+        "tp": [tp_rank, tp_size],
     }
     digest = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).digest()[:16]
     return digest, description

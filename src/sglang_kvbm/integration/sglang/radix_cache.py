@@ -39,6 +39,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     MatchResult,
 )
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+import torch
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 from sglang.srt.mem_cache.utils import compute_node_hash_values, get_storage_hash_str
 
@@ -64,6 +65,16 @@ class TierTokens:
 
 
 @dataclasses.dataclass(frozen=True)
+class PrefixHit:
+    """A prefix served for a custom server: its KV is in the device pool at ``indices``."""
+
+    indices: torch.Tensor  # token slots of the matched prefix, in order
+    node: TreeNode  # lock it (``cache.lock(node)``) while the indices are in use
+    device_tokens: int  # found in the device pool
+    loaded_tokens: int  # brought back from host or disk
+
+
+@dataclasses.dataclass(frozen=True)
 class _LoadMarker:
     """What ``match_prefix`` promised, for the ``init_load_back`` that follows.
 
@@ -73,6 +84,15 @@ class _LoadMarker:
     block_ids: tuple[BlockId, ...]
     key: RadixKey
     device_len: int
+
+
+class _PrefixRequest:
+    """The two fields of a scheduler request the cache reads, for :meth:`KvbmRadixCache.prefix`."""
+
+    def __init__(self, handle: CacheRequestHandle) -> None:
+        self.cache_request_handle = handle
+        self.storage_hit_length = 0
+        self.storage_hit_start = None
 
 
 class KvbmRadixCache(RadixCache):
@@ -87,6 +107,7 @@ class KvbmRadixCache(RadixCache):
         self._markers: dict[CacheRequestHandle, _LoadMarker] = {}
         self._wanted: dict[CacheRequestHandle, int] = {}  # blocks beyond the device match, per live request
         self._serving = False
+        self._closers: list = [lambda: None]
         self._queries: queue.Queue = queue.Queue(maxsize=256)
         self.events = EventOrderer()
         super().__init__(params)
@@ -315,6 +336,42 @@ class KvbmRadixCache(RadixCache):
         self._markers.clear()
         self._wanted.clear()
         super().reset()
+
+    # -- for custom servers (no SGLang scheduler) ------------------------------
+
+    def prefix(self, token_ids, *, extra_key: Optional[str] = None, cache_salt: Optional[str] = None) -> PrefixHit:
+        """Match ``token_ids`` in every tier and bring the lower-tier part into the device pool.
+
+        What SGLang's scheduler does with ``match_prefix`` + ``init_load_back``, in one
+        call. At most ``len(token_ids) - 1`` tokens are matched (the last one must be
+        computed to produce logits), in whole pages.
+        """
+        key = RadixKey(array("q", token_ids), extra_key, cache_salt=cache_salt, limit=max(0, len(token_ids) - 1))
+        handle = CacheRequestHandle(f"kvbm-prefix-{id(key)}", 0)
+        request = _PrefixRequest(handle)
+        result = self.match_prefix(MatchPrefixParams(key=key, req=request))
+        node, loaded = result.last_device_node, 0
+        if result.host_hit_length:
+            answer = self.init_load_back(
+                InitLoadBackParams(best_match_node=node, host_hit_length=result.host_hit_length, req=request)
+            )
+            if answer is not None and answer[0]:
+                loaded, node = answer
+        self._markers.pop(handle, None)
+        self._wanted.pop(handle, None)
+        indices = self.path_device_indices(node)
+        return PrefixHit(indices, node, result.device_prefix_len, loaded)
+
+    def add_closer(self, close) -> None:
+        self._closers.append(close)
+
+    def close(self) -> None:
+        """Stop the endpoint and copy threads; persist the disk index. Idempotent."""
+        closers, self._closers = self._closers, []
+        for close in closers:
+            close()
+        if closers:
+            self._kvbm.close()
 
     def check_hicache_events(self) -> None:
         """The per-step poll (SGLang with this project's version patch calls it every step)."""
