@@ -13,6 +13,7 @@ by one, so a request's freshly allocated pages move in a few large copies.
 
 from __future__ import annotations
 
+import weakref
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -22,16 +23,39 @@ _CUDA_STAGING_BYTES = 64 << 20  # device staging per chunk when copying on CUDA
 
 
 def aligned_empty(shape: tuple[int, int], *, pin: bool = False) -> torch.Tensor:
-    """An uninitialised uint8 tensor whose first byte is 4 KiB-aligned.
+    """An uninitialised uint8 tensor whose first byte is 4 KiB-aligned, page-locked if ``pin``.
 
     torch aligns host allocations to 64 bytes; O_DIRECT needs 4096, and NIXL's
     POSIX backend reports an unaligned O_DIRECT transfer as done without moving
     a byte, so alignment is guaranteed here rather than hoped for.
+
+    Pinning gigabytes takes seconds: the pages are first touched a chunk at a
+    time (with progress), then page-locked with one ``cudaHostRegister``.
     """
     nbytes = shape[0] * shape[1]
-    raw = torch.empty(nbytes + BLOCK_ALIGN, dtype=torch.uint8, pin_memory=pin)
+    raw = torch.empty(nbytes + BLOCK_ALIGN, dtype=torch.uint8)
     offset = (-raw.data_ptr()) % BLOCK_ALIGN
-    return raw[offset : offset + nbytes].view(shape)
+    tensor = raw[offset : offset + nbytes]
+    if pin:
+        _pin(tensor, owner=raw)
+    return tensor.view(shape)
+
+
+def _pin(tensor: torch.Tensor, owner: torch.Tensor) -> None:
+    from sglang_kvbm.progress import Progress
+
+    chunk = 256 << 20
+    with Progress(tensor.numel(), "pinning the host tier") as progress:
+        for start in range(0, tensor.numel(), chunk):
+            part = tensor[start : start + chunk]
+            part.zero_()
+            progress.update(part.numel())
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {tensor.numel()} bytes failed with CUDA error {int(err)}")
+    # Unregister when the last view of the allocation is gone.
+    weakref.finalize(owner, cudart.cudaHostUnregister, tensor.data_ptr())
 
 
 def runs(src: Sequence[int], dst: Sequence[int]) -> Iterator[tuple[int, int, int, int]]:

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from sglang_kvbm.config import GIB, ConfigError
+from sglang_kvbm.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -47,16 +48,18 @@ def fallocate(fd: int, length: int) -> None:
 
 def zerofill(fd: int, length: int, *, o_direct: bool) -> None:
     """Reserve ``length`` bytes by writing zeros through page-aligned buffers (O_DIRECT-safe)."""
-    chunk = mmap.mmap(-1, 1 << 20)  # page-aligned and zeroed
+    chunk = mmap.mmap(-1, 8 << 20)  # page-aligned and zeroed
     try:
-        offset = 0
-        while offset < length:
-            n = min(len(chunk), length - offset)
-            n = n if not o_direct else -(-n // 4096) * 4096
-            written = os.pwritev(fd, [memoryview(chunk)[:n]], offset)
-            if written <= 0:
-                raise OSError(errno.EIO, "zero-fill wrote nothing")
-            offset += written
+        with Progress(length, "zero-filling a disk cache file") as progress:
+            offset = 0
+            while offset < length:
+                n = min(len(chunk), length - offset)
+                n = n if not o_direct else -(-n // 4096) * 4096
+                written = os.pwritev(fd, [memoryview(chunk)[:n]], offset)
+                if written <= 0:
+                    raise OSError(errno.EIO, "zero-fill wrote nothing")
+                offset += written
+                progress.update(written)
     finally:
         chunk.close()
 
