@@ -35,27 +35,28 @@ def aligned_empty(shape: tuple[int, int], *, pin: bool = False) -> torch.Tensor:
     nbytes = shape[0] * shape[1]
     raw = torch.empty(nbytes + BLOCK_ALIGN, dtype=torch.uint8)
     offset = (-raw.data_ptr()) % BLOCK_ALIGN
-    tensor = raw[offset : offset + nbytes]
+    tensor = raw[offset : offset + nbytes].view(shape)
     if pin:
-        _pin(tensor, owner=raw)
-    return tensor.view(shape)
+        _pin(tensor)
+    return tensor
 
 
-def _pin(tensor: torch.Tensor, owner: torch.Tensor) -> None:
+def _pin(tensor: torch.Tensor) -> None:
     from sglang_kvbm.progress import Progress
 
+    flat = tensor.view(-1)
     chunk = 256 << 20
-    with Progress(tensor.numel(), "pinning the host tier") as progress:
-        for start in range(0, tensor.numel(), chunk):
-            part = tensor[start : start + chunk]
+    with Progress(flat.numel(), "pinning the host tier") as progress:
+        for start in range(0, flat.numel(), chunk):
+            part = flat[start : start + chunk]
             part.zero_()
             progress.update(part.numel())
     cudart = torch.cuda.cudart()
     err = cudart.cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0)
     if int(err) != 0:
         raise RuntimeError(f"cudaHostRegister of {tensor.numel()} bytes failed with CUDA error {int(err)}")
-    # Unregister when the last view of the allocation is gone.
-    weakref.finalize(owner, cudart.cudaHostUnregister, tensor.data_ptr())
+    # Unregistered when the returned tensor goes (its owner keeps it for as long as it copies).
+    weakref.finalize(tensor, cudart.cudaHostUnregister, tensor.data_ptr())
 
 
 def runs(src: Sequence[int], dst: Sequence[int]) -> Iterator[tuple[int, int, int, int]]:
