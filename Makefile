@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 INDEXER_VENV := .venv-indexer
 INDEXER_STAMP := $(INDEXER_VENV)/.installed
 
-.PHONY: demo test test-fast clean
+.PHONY: demo test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ test: $(STAMP) $(INDEXER_STAMP)
 # Without the tests that start real SGLang servers (a few seconds instead of minutes).
 test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -ra -m "not server" tests
+
+# All benchmarks with their small CPU defaults (see benchmarks/README.md); about 25 minutes.
+bench: $(STAMP)
+	$(VENV)/bin/pip install -q -e '.[test,bench]'
+	$(VENV)/bin/python benchmarks/run_all.py
 
 clean:
 	rm -rf $(VENV) $(INDEXER_VENV) demo-out

@@ -59,6 +59,14 @@ def _pin(tensor: torch.Tensor) -> None:
     weakref.finalize(tensor, cudart.cudaHostUnregister, tensor.data_ptr())
 
 
+# Below this average run length, per-run copies cost more in calls than a gather does in bytes.
+_GATHER_BELOW_RUN_LENGTH = 8
+
+
+def _index(values: Sequence[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
 def runs(src: Sequence[int], dst: Sequence[int]) -> Iterator[tuple[int, int, int, int]]:
     """Yield ``(i, src_start, dst_start, length)`` for maximal runs where both advance by one."""
     n = len(src)
@@ -146,7 +154,13 @@ class PagedKvLayout:
             raise ValueError(f"{len(pages)} pages for {len(slots)} slots")
         host = host.view(self._wtype)
         if not self.is_cuda:
-            for _, p0, s0, n in runs(pages, slots):
+            spans = list(runs(pages, slots))
+            if len(spans) * _GATHER_BELOW_RUN_LENGTH > len(pages):  # scattered: two vectorised copies per buffer
+                src, dst = _index(pages), _index(slots)
+                for view, off, nbytes in self._buffers():
+                    host[:, off : off + nbytes].index_copy_(0, dst, view.index_select(0, src))
+                return
+            for _, p0, s0, n in spans:
                 for view, off, nbytes in self._buffers():
                     host[s0 : s0 + n, off : off + nbytes].copy_(view[p0 : p0 + n])
             return
@@ -174,7 +188,14 @@ class PagedKvLayout:
             raise ValueError(f"{len(slots)} slots for {len(pages)} pages")
         host = host.view(self._wtype)
         if not self.is_cuda:
-            for _, s0, p0, n in runs(slots, pages):
+            spans = list(runs(slots, pages))
+            if len(spans) * _GATHER_BELOW_RUN_LENGTH > len(pages):
+                rows = host.index_select(0, _index(slots))
+                dst = _index(pages)
+                for view, off, nbytes in self._buffers():
+                    view.index_copy_(0, dst, rows[:, off : off + nbytes])
+                return
+            for _, s0, p0, n in spans:
                 for view, off, nbytes in self._buffers():
                     view[p0 : p0 + n].copy_(host[s0 : s0 + n, off : off + nbytes])
             return

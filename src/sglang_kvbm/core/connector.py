@@ -21,6 +21,7 @@ from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.lifecycle import Block
 from sglang_kvbm.core.ports import (
     BlockManager,
+    BlockMeta,
     EventSink,
     LoadResult,
     PageStore,
@@ -70,6 +71,11 @@ class KvbmConnector:
         self._pending: dict[int, Callable[[], None]] = {}
         self.stats = ConnectorStats()
 
+    @property
+    def keeps_token_ids(self) -> bool:
+        """Whether the block manager stores pages' token ids (a disk tier announces them after a restart)."""
+        return self._manager.keeps_token_ids
+
     # -- device tier (G1) --------------------------------------------------
 
     def holds(self, block_id: BlockId) -> bool:
@@ -110,6 +116,17 @@ class KvbmConnector:
             return False
         self._pending[ticket] = on_offloaded
         return True
+
+    def loaded(self, metas: Sequence[BlockMeta]) -> None:
+        """Pages just loaded into the device pool from a lower tier: device blocks again, nothing to copy."""
+        device = self._device
+        for meta in metas:
+            if meta.block_id not in device:
+                block = Block(meta)
+                block.commit()
+                block.register()
+                device[meta.block_id] = block
+        self.stats.device_blocks_registered += len(metas)
 
     def evicted(self, block_ids: Sequence[BlockId]) -> None:
         """The engine freed these device pages; lower-tier copies stay."""

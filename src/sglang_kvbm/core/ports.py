@@ -115,6 +115,8 @@ class BlockManager(Protocol):
       publishes one ``AllBlocksCleared``); work in flight is discarded when it ends.
     """
 
+    keeps_token_ids: bool  # whether stored blocks need their token ids (e.g. announced again after a restart)
+
     def store(self, pages: Sequence[PageStore]) -> Optional[int]: ...
 
     def lookup(self, block_ids: Sequence[BlockId]) -> int: ...

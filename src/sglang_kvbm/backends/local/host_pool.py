@@ -124,6 +124,10 @@ class HostBlockPool:
             else:
                 self._pins.pop(block_id, None)
 
+    def row_of(self, block_id: BlockId) -> Optional[int]:
+        entry = self._registered.get(block_id)
+        return None if entry is None else entry[0]
+
     def meta_of(self, block_id: BlockId) -> BlockMeta:
         return self._registered[block_id][1].meta
 

@@ -130,6 +130,10 @@ class LocalBlockManager:
             self._announce_restored(disk.registered_metas())
 
     @property
+    def keeps_token_ids(self) -> bool:
+        return self._disk is not None
+
+    @property
     def layout(self) -> PagedKvLayout:
         return self._layout
 
@@ -265,14 +269,16 @@ class LocalBlockManager:
         return host_run, lower_run
 
     def load(self, block_ids: Sequence[BlockId], device_pages: Sequence[int]) -> Optional[LoadResult]:
+        host, disk = self._host, self._disk
         host_ids, host_rows, host_pages = [], [], []
         disk_ids, disk_pages = [], []
         for block_id, page in zip(block_ids, device_pages):
-            if self._host is not None and self._host.registered(block_id):
+            row = host.row_of(block_id) if host is not None else None
+            if row is not None:
                 host_ids.append(block_id)
-                host_rows.append(self._host.rows_of([block_id])[0])
+                host_rows.append(row)
                 host_pages.append(page)
-            elif self._disk is not None and self._disk.registered(block_id):
+            elif disk is not None and disk.registered(block_id):
                 disk_ids.append(block_id)
                 disk_pages.append(page)
             else:
@@ -282,14 +288,15 @@ class LocalBlockManager:
         if host_ids:
             started = time.perf_counter()
             try:
-                self._layout.load(host_rows, self._host.slab, host_pages)
+                self._layout.load(host_rows, host.slab, host_pages)
             except Exception:  # the request recomputes; the caller frees its pages
                 logger.exception("kvbm: host->device copy of %d blocks failed", len(host_ids))
                 self.stats.load_failures += 1
                 return None
             self._observe("onboard_h2d", len(host_ids) * self._layout.page_bytes, time.perf_counter() - started)
-            self._host.touch(host_ids)
-            self._offload_to_disk(self._earned_disk([self._host_meta(b) for b in host_ids]))
+            host.touch(host_ids)
+            if disk is not None:  # a hit is a reuse: the filter may now send these blocks to disk
+                self._offload_to_disk(self._earned_disk([host.meta_of(b) for b in host_ids]))
         return LoadResult(len(host_ids), len(disk_ids))
 
     def _load_from_disk(self, block_ids: list[BlockId], device_pages: list[int]) -> bool:
@@ -327,9 +334,6 @@ class LocalBlockManager:
         self._observe("onboard_d2d", len(block_ids) * self._disk.slot_bytes, seconds)
         self._disk.touch(block_ids)
         return True
-
-    def _host_meta(self, block_id: BlockId) -> BlockMeta:
-        return self._host.meta_of(block_id)
 
     # -- completions ------------------------------------------------------------
 

@@ -153,8 +153,11 @@ class KvbmRadixCache(RadixCache):
     def _page_stores(self, node: TreeNode) -> list[PageStore]:
         ps = self.page_size
         device_pages = (node.value[::ps] // ps).tolist()
-        tokens = node.key.token_ids
         events = page_event_identities(self.kv_events, node)
+        if events is None and not self._kvbm.keeps_token_ids:
+            # Token ids are only read by events and by the disk tier: skip the per-page slicing.
+            return [PageStore(BlockMeta(b, ()), p) for b, p in zip(node.hash_value, device_pages)]
+        tokens = node.key.token_ids
         return [
             PageStore(
                 BlockMeta(block_id, tuple(tokens[i * ps : (i + 1) * ps]), events[i] if events else None),
@@ -178,8 +181,14 @@ class KvbmRadixCache(RadixCache):
         if len(key) - device_len < self.page_size:
             return result
         rest = key[device_len:]
-        block_ids = self._hashes_after(result.last_device_node, rest)
-        self._wanted[req.cache_request_handle] = len(block_ids)
+        wanted = len(rest) // self.page_size
+        self._wanted[req.cache_request_handle] = wanted
+        # Most lookups miss on their first page (a new question after a device hit):
+        # hash one page first, the whole rest only when that page is held below.
+        first = self._hashes_after(result.last_device_node, rest[: self.page_size])
+        if not self._kvbm.peek(first)[1]:
+            return result
+        block_ids = first if wanted == 1 else self._hashes_after(result.last_device_node, rest)
         hit = self._kvbm.lookup(block_ids)
         if hit == 0:
             return result
@@ -295,8 +304,7 @@ class KvbmRadixCache(RadixCache):
         self._update_leaf_status(parent)
         self._update_leaf_status(node)
         self.kv_events.record_store(node)
-        # Its pages are device blocks again. Blocks already held below are not copied again.
-        self._offload(node, self._page_stores(node), node.priority)
+        self._kvbm.loaded([BlockMeta(block_id, ()) for block_id in marker.block_ids])  # device blocks again
         return node
 
     def evictable_size(self):
