@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from common import save_plot, table, verdict
 from sglang_kvbm.backends.local.disk_setup import probe
 from sglang_kvbm.backends.local.disk_store import DiskStore
 from sglang_kvbm.backends.local.manager import LocalBlockManager
@@ -165,10 +166,23 @@ def main(argv=None) -> int:
         ("G2->G3 (host->disk)", disk_bytes, g2g3, "raw O_DIRECT write", raw_w, disk_bytes),
         ("G3->G1 (disk->device, verified)", disk_bytes, g3g1, "raw O_DIRECT read", raw_r, disk_bytes),
     ]
-    print(f"{'path':34} {'GB/s':>7} {'baseline':>20} {'GB/s':>7} {'ratio':>6}")
+    printed = []
     for name, nb, t, base_name, base_t, base_nb in rows_out:
         ours, base = gbps(nb, t), gbps(base_nb, base_t)
-        print(f"{name:34} {ours:7.2f} {base_name:>20} {base:7.2f} {ours / base:6.2f}")
+        target = 0.8 if base_name == "memcpy" else 0.9
+        printed.append([name, ours, base_name, base, ours / base, verdict(ours / base, target, lower_is_better=False)])
+    print(table(["path", "GB/s", "baseline", "baseline GB/s", "ratio", "target"], printed))
+
+    def draw(ax):
+        names = [r[0].split(" ")[0] for r in printed]
+        ax.bar([i - 0.2 for i in range(len(names))], [r[1] for r in printed], width=0.4, label="sglang-kvbm")
+        ax.bar([i + 0.2 for i in range(len(names))], [r[3] for r in printed], width=0.4, label="baseline (memcpy / raw O_DIRECT)")
+        ax.set_xticks(range(len(names)), names)
+        ax.set_ylabel("GB/s")
+        ax.set_title("Tier I/O")
+        ax.legend(fontsize=8)
+
+    print(f"plot: {save_plot('tier_io', draw)}")
     return 0
 
 

@@ -1,0 +1,159 @@
+"""End to end, multi-turn: stock SGLang (recompute) vs this library (G2, G2+G3), same machine, same run.
+
+Conversations with long contexts take turns against a real SGLang server (the
+locally generated GPT-2 of the demo: a 1500-token prefill costs about a second
+on a 2-core CPU); the working set is about 4x the device KV pool. Runs:
+
+* ``stock``: SGLang as shipped, device pool P: evicted prefixes are recomputed.
+* ``stock-unbounded``: a device pool holding everything: the best any cache can do
+  (its hit tokens are the 100% of the hit-token target; its device-hit TTFT is
+  the reference for host and disk hits).
+* ``kvbm-G2``: ``--radix-cache-backend kvbm`` with a host tier.
+* ``kvbm-G2+G3``: a host tier too small for the working set, and a disk tier.
+* ``hicache`` (``--hicache``, GPU only): SGLang's own hierarchical cache. It does
+  not start on CPU as shipped (pinned host pool -> "Found no NVIDIA driver").
+
+Targets: p50 TTFT <= 0.2x stock; hit tokens >= 95% of stock-unbounded's; host-hit
+TTFT <= 1.05x device-hit TTFT; disk-hit TTFT <= 1.3x device-hit TTFT.
+
+    python benchmarks/e2e_multiturn.py                 # ~6 minutes on 2 CPU cores
+    python benchmarks/e2e_multiturn.py --conversations 16 --turns 6 --device cuda --hicache
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import tempfile
+import time
+
+from common import mean, out_dir, pct, save_plot, table, verdict
+from sglang_kvbm.demo import _stream_generate
+from sglang_kvbm.testing.model import DEMO, make_model, prompt_ids
+from sglang_kvbm.testing.server import SglangServer
+
+
+@dataclasses.dataclass
+class Run:
+    name: str
+    ttft: list = dataclasses.field(default_factory=list)
+    kind: list = dataclasses.field(default_factory=list)  # cold | device | host | disk, per request
+    hits: dict = dataclasses.field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
+    output_tokens: int = 0
+    seconds: float = 0.0
+
+
+def workload(args):
+    order = []
+    for turn in range(args.turns):
+        for conv in range(args.conversations):
+            order.append((conv, prompt_ids(10_000 + conv * 100 + turn, args.question, DEMO.vocab_size)))
+    return order
+
+
+def run(name, server, args) -> Run:
+    result = Run(name)
+    histories = [prompt_ids(c, args.context, DEMO.vocab_size) for c in range(args.conversations)]
+    _stream_generate(server.url, prompt_ids(424242, 64, DEMO.vocab_size), 1)  # warm-up
+    started = time.perf_counter()
+    for conv, question in workload(args):
+        prompt = histories[conv] + question
+        ttft, final = _stream_generate(server.url, prompt, args.answer)
+        meta = final.get("meta_info", {})
+        details = meta.get("cached_tokens_details") or {}
+        device, host, disk = details.get("device", 0), details.get("host", 0), details.get("storage", 0)
+        result.hits["device"] += device
+        result.hits["host"] += host
+        result.hits["disk"] += disk
+        cached = device + host + disk
+        kind = "cold" if cached < len(prompt) // 2 else max(("device", device), ("host", host), ("disk", disk), key=lambda x: x[1])[0]
+        result.kind.append(kind)
+        result.ttft.append(ttft)
+        answer = final.get("output_ids", [])
+        result.output_tokens += len(answer)
+        histories[conv] = prompt + answer
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--conversations", type=int, default=6)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--context", type=int, default=1500)
+    parser.add_argument("--question", type=int, default=40)
+    parser.add_argument("--answer", type=int, default=16)
+    parser.add_argument("--pool", type=int, default=3072, help="device KV pool in tokens (about 1/4 of the working set)")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--hicache", action="store_true", help="also run SGLang's hierarchical cache (GPU only)")
+    args = parser.parse_args(argv)
+
+    out = out_dir()
+    model = make_model(out / "model-demo", DEMO)
+    working_set = args.conversations * (args.context + args.turns * (args.question + args.answer))
+    print(f"# {args.conversations} conversations x {args.turns} turns, working set ~{working_set} tokens, "
+          f"device pool {args.pool} tokens, page {args.page_size}, device {args.device}", flush=True)
+    extra = [] if args.device == "cpu" else ["--device", args.device]
+    disk_dir = tempfile.mkdtemp(prefix="kvbm-bench-disk-")
+    configs = [
+        ("stock", args.pool, [], {}),
+        ("stock-unbounded", working_set * 2, [], {}),
+        ("kvbm-G2", args.pool, ["--radix-cache-backend", "kvbm"], {"DYN_KVBM_CPU_CACHE_GB": "2"}),
+        ("kvbm-G2+G3", args.pool, ["--radix-cache-backend", "kvbm"], {
+            "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": str(args.pool // args.page_size + 8),
+            "DYN_KVBM_DISK_CACHE_GB": "2", "DYN_KVBM_DISK_CACHE_DIR": disk_dir,
+            # Every block of this workload is reused, but with a host tier this small its first reuse
+            # comes after the host let it go: the frequency filter would keep almost all of it off disk.
+            "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER": "true",
+        }),
+    ]
+    if args.hicache:
+        configs.append(("hicache", args.pool, ["--enable-hierarchical-cache", "--hicache-ratio", "4"], {}))
+    runs = []
+    for name, pool, flags, env in configs:
+        print(f"# {name} ...", flush=True)
+        server = SglangServer(model, page_size=args.page_size, max_total_tokens=pool, extra_args=flags + extra,
+                              env=env, log_path=out / f"e2e-{name}.log")
+        with server:
+            runs.append(run(name, server, args))
+
+    stock, ideal = runs[0], runs[1]
+    device_hit = [t for t, k in zip(ideal.ttft, ideal.kind) if k == "device"]
+    rows = []
+    for r in runs:
+        total_hits = sum(r.hits.values())
+        rows.append([r.name, pct(r.ttft, 0.5), pct(r.ttft, 0.9), pct(r.ttft, 0.5) / pct(stock.ttft, 0.5),
+                     len(r.ttft) / r.seconds, r.hits["device"], r.hits["host"], r.hits["disk"],
+                     total_hits / max(1, sum(ideal.hits.values()))])
+    print(table(["run", "p50 TTFT s", "p90 TTFT s", "p50 vs stock", "req/s", "device hit", "host hit", "disk hit",
+                 "hits vs unbounded"], rows))
+    ref = mean(device_hit)
+    host_hit = [t for r in runs if r.name == "kvbm-G2" for t, k in zip(r.ttft, r.kind) if k == "host"]
+    disk_hit = [t for r in runs if r.name == "kvbm-G2+G3" for t, k in zip(r.ttft, r.kind) if k == "disk"]
+    print()
+    print(table(["hit kind", "requests", "mean TTFT s", "vs device hit"], [
+        ["device (stock-unbounded)", len(device_hit), ref, 1.0],
+        ["host (kvbm-G2)", len(host_hit), mean(host_hit), mean(host_hit) / ref],
+        ["disk (kvbm-G2+G3)", len(disk_hit), mean(disk_hit), mean(disk_hit) / ref],
+    ]))
+    g2 = next(r for r in runs if r.name == "kvbm-G2")
+    print("\ntargets:")
+    print(f"  p50 TTFT kvbm-G2 / stock = {pct(g2.ttft, .5) / pct(stock.ttft, .5):.2f}: {verdict(pct(g2.ttft, .5) / pct(stock.ttft, .5), 0.2)}")
+    share = sum(g2.hits.values()) / max(1, sum(ideal.hits.values()))
+    print(f"  hit tokens kvbm-G2 / unbounded = {share:.3f}: {verdict(share, 0.95, lower_is_better=False)}")
+    print(f"  host-hit / device-hit TTFT = {mean(host_hit) / ref:.2f}: {verdict(mean(host_hit) / ref, 1.05)}")
+    print(f"  disk-hit / device-hit TTFT = {mean(disk_hit) / ref:.2f}: {verdict(mean(disk_hit) / ref, 1.3)}")
+
+    def draw(ax):
+        ax.boxplot([r.ttft for r in runs], tick_labels=[r.name for r in runs], showfliers=True)
+        ax.set_ylabel("TTFT (s)")
+        ax.set_title("Multi-turn TTFT per request")
+
+    print(f"plot: {save_plot('e2e_multiturn', draw)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
