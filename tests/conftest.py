@@ -23,7 +23,7 @@ class Stack:
     kvcache: object
     layout: PagedKvLayout
     manager: object
-    executor: Optional["GatedExecutor"]
+    executor: Optional[ThreadPoolExecutor]
     page_size: int
     size: int
 
@@ -69,6 +69,7 @@ def build_stack(
     events: bool = False,
     gated: bool = False,
     min_offload_priority: int = 0,
+    executor=None,
 ) -> Stack:
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -86,7 +87,8 @@ def build_stack(
         kvcache = MLATokenToKVPool(size, page_size, torch.bfloat16, 16, 8, 2, "cpu", False)
     allocator = PagedTokenToKVPoolAllocator(size, page_size, kvcache.dtype, "cpu", kvcache, need_sort=False)
     layout = paged_layout(kvcache, page_size)
-    executor = GatedExecutor() if gated else None
+    if gated:
+        executor = GatedExecutor()
     manager = LocalBlockManager(layout, host_blocks, executor=executor)
     sink = SglangEventSink()
     connector = KvbmConnector(manager, sink, min_offload_priority=min_offload_priority)
@@ -112,7 +114,7 @@ def stack_factory():
 
     yield make
     for stack in built:
-        if stack.executor is not None:
+        if isinstance(stack.executor, GatedExecutor):
             stack.executor.gate.set()
         stack.cache.connector.close()
 

@@ -15,6 +15,7 @@ import errno
 import logging
 import mmap
 import os
+import stat as stat_module
 import time
 from pathlib import Path
 
@@ -85,6 +86,12 @@ def probe(
         ) from None
     if not path.is_dir():
         raise ConfigError(f"DYN_KVBM_DISK_CACHE_DIR={str(path)!r} is not a directory")
+    mode = path.stat().st_mode
+    if mode & stat_module.S_IWOTH and not mode & stat_module.S_ISVTX:
+        raise ConfigError(
+            f"DYN_KVBM_DISK_CACHE_DIR={str(path)!r} is writable by every user without the sticky bit, so another "
+            f"user could replace the cache's files: use a directory only this user can write (or chmod o-w, or +t)"
+        )
 
     stat = os.statvfs(path)
     free = stat.f_bavail * stat.f_frsize

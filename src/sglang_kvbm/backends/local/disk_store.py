@@ -57,6 +57,11 @@ _INDEX_PREFIX = struct.Struct("<8sQ")
 DIR_PREFIX = "sglang-kvbm-"
 
 
+def _open_lock(directory: Path):
+    """The directory's lock file, created 0600 like every file of the disk tier."""
+    return os.fdopen(os.open(directory / "lock", os.O_RDWR | os.O_CREAT, 0o600), "r+")
+
+
 class DiskIOError(RuntimeError):
     """A NIXL transfer to or from the disk cache failed."""
 
@@ -238,7 +243,7 @@ class DiskStore:
                 f"DYN_KVBM_DISK_CACHE_DIR: {path} is writable by others or not owned by this user; "
                 f"remove it (sglang-kvbm creates it 0700) or point DYN_KVBM_DISK_CACHE_DIR elsewhere"
             )
-        lock = open(path / "lock", "a+")
+        lock = _open_lock(path)
         warm = True
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -251,7 +256,7 @@ class DiskStore:
             )
             path = root / f"{name}-{os.getpid()}"
             path.mkdir(mode=0o700, exist_ok=True)
-            lock = open(path / "lock", "a+")
+            lock = _open_lock(path)
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             warm = False
         DiskStore._reclaim_stale(root, keep=path)
@@ -263,7 +268,7 @@ class DiskStore:
             if other == keep or not other.is_dir() or not (other / "lock").exists():
                 continue
             try:
-                with open(other / "lock", "a+") as lock:
+                with _open_lock(other) as lock:
                     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: a live server owns it
                     shutil.rmtree(other)
                 logger.info("kvbm: reclaimed %s, a disk cache of another server identity that no server holds", other)
@@ -439,6 +444,12 @@ class DiskStore:
 
     def free_slots(self) -> int:
         return len(self._free)
+
+    def accounting(self) -> dict:
+        """Where every slot is: registered, free, being written, or lost with a segment."""
+        lost = sum(s.slots for s in self._segments if not s.alive)
+        return {"slots": self.num_slots, "registered": len(self._entries), "free": len(self._free),
+                "writing": len(self._inflight), "lost": lost}
 
     # -- I/O ------------------------------------------------------------------
 

@@ -162,5 +162,9 @@ class HostBlockPool:
                 self._orphans.discard(row)
                 self._free.append(row)
 
+    def inflight_rows(self) -> int:
+        """Rows a copy is still writing (including ones orphaned by a reset)."""
+        return len(self._inflight) + len(self._orphans)
+
     def free_rows(self) -> int:
         return len(self._free)

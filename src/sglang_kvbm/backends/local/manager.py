@@ -346,6 +346,8 @@ class LocalBlockManager:
             error = _error_of(job.future)
             if job.generation != self._generation:
                 self._host.abort(job.reserved)  # reset while copying: the bytes belong to a dropped tree
+            elif error is _CANCELLED:
+                self._host.abort(job.reserved)
             elif error is not None:
                 logger.error("kvbm: device->host copy of %d blocks failed: %r", len(job.reserved), error)
                 self.stats.store_failures += 1
@@ -367,6 +369,9 @@ class LocalBlockManager:
             if self._host is not None:
                 self._host.unpin(job.host_ids)
             error = _error_of(job.future)
+            if error is _CANCELLED:
+                self._disk.abort(job.reserved)
+                continue
             if error is not None:
                 logger.error("kvbm: disk write of %d blocks failed: %s", len(job.reserved), error)
                 self.stats.disk_write_failures += 1
@@ -452,5 +457,8 @@ class LocalBlockManager:
 
 def _error_of(future: Future) -> Optional[BaseException]:
     if future.cancelled():
-        return RuntimeError("cancelled at shutdown")
+        return _CANCELLED
     return future.exception()
+
+
+_CANCELLED = RuntimeError("cancelled at shutdown")

@@ -21,11 +21,22 @@ def stats_of(cache: KvbmRadixCache, manager: LocalBlockManager) -> dict:
         "tiers": {c.tier.name.lower(): {"blocks": c.blocks, "capacity": c.capacity} for c in cache.connector.counts()},
         "local": dataclasses.asdict(manager.stats),
         "in_flight": manager.in_flight(),
+        "device": {
+            "total": cache.token_to_kv_pool_allocator.size,
+            "available": cache.token_to_kv_pool_allocator.available_size(),
+            "evictable": cache.evictable_size_,
+            "protected": cache.protected_size(),
+        },
         "events": {"held": cache.events.held(), "held_total": cache.events.held_total, "dropped": cache.events.dropped},
     }
+    if manager.host is not None:
+        host = manager.host
+        stats["host"] = {"capacity": host.capacity, "registered": len(host), "free": host.free_rows(),
+                         "in_flight": host.inflight_rows()}
     if manager.disk is not None:
         disk = dataclasses.asdict(manager.disk.stats)
         disk["invalidated"] = dict(manager.disk.stats.invalidated)
+        disk.update(manager.disk.accounting())
         stats["disk"] = disk
     return stats
 

@@ -113,7 +113,8 @@ def build_cache(
     )
     cache = KvbmRadixCache(params, connector, sink)
     if config.metrics:
-        cache.add_closer(start_http(cache, manager, config, metrics).close)
+        cache.endpoint = start_http(cache, manager, config, metrics)
+        cache.add_closer(cache.endpoint.close)
     atexit.register(cache.close)  # flush the disk index and stop the copy threads
     return cache
 

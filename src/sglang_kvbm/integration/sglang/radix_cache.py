@@ -108,6 +108,7 @@ class KvbmRadixCache(RadixCache):
         self._wanted: dict[CacheRequestHandle, int] = {}  # blocks beyond the device match, per live request
         self._serving = False
         self._closers: list = [lambda: None]
+        self.endpoint = None  # the worker's HTTP endpoint, when DYN_KVBM_METRICS is on
         self._queries: queue.Queue = queue.Queue(maxsize=256)
         self.events = EventOrderer()
         super().__init__(params)
