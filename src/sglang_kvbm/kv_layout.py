@@ -19,7 +19,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 BLOCK_ALIGN = 4096
-_CUDA_STAGING_BYTES = 64 << 20  # device staging per chunk when copying on CUDA
+_CUDA_STAGING_BYTES = 256 << 20  # device staging per chunk when copying on CUDA
 
 
 def aligned_empty(shape: tuple[int, int], *, pin: bool = False) -> torch.Tensor:
@@ -169,16 +169,30 @@ class PagedKvLayout:
         with torch.cuda.stream(self._stream):
             if ready is not None:
                 self._stream.wait_event(ready)
-            for start in range(0, len(pages), self._chunk_pages()):
-                chunk = pages[start : start + self._chunk_pages()]
-                index = torch.tensor(chunk, dtype=torch.int64, device=self.device)
-                staging = torch.empty((len(chunk), self.block_bytes // self._word), dtype=self._wtype, device=self.device)
-                for view, off, nbytes in self._buffers():
-                    staging[:, off : off + nbytes].copy_(view.index_select(0, index))
-                chunk_slots = slots[start : start + len(chunk)]
+            step = self._chunk_pages()
+            for start in range(0, len(pages), step):
+                chunk_slots = slots[start : start + step]
+                staging = self._gather(pages[start : start + step])
                 for k, s0, _, n in runs(chunk_slots, chunk_slots):
                     host[s0 : s0 + n].copy_(staging[k : k + n], non_blocking=True)
             self._stream.synchronize()
+
+    def _gather(self, pages: Sequence[int]) -> torch.Tensor:
+        """Device pages as contiguous block rows ``(n, block words)``, in a few launches."""
+        spans = list(runs(pages, pages))
+        if len(spans) == 1:
+            p0, n = spans[0][1], spans[0][3]
+            parts = [view[p0 : p0 + n] for view in self._views]
+        else:
+            index = torch.tensor(pages, dtype=torch.int64, device=self.device)
+            parts = [view.index_select(0, index) for view in self._views]
+        rows = torch.cat(parts, dim=1)
+        block_words = self.block_bytes // self._word
+        if rows.shape[1] == block_words:
+            return rows
+        staging = torch.empty((len(pages), block_words), dtype=self._wtype, device=self.device)
+        staging[:, : rows.shape[1]] = rows
+        return staging
 
     # -- host -> device (runs on the caller's thread, stream-ordered) --------
 
@@ -199,14 +213,22 @@ class PagedKvLayout:
                 for view, off, nbytes in self._buffers():
                     view[p0 : p0 + n].copy_(host[s0 : s0 + n, off : off + nbytes])
             return
-        for start in range(0, len(pages), self._chunk_pages()):
-            chunk_slots = slots[start : start + self._chunk_pages()]
+        step = self._chunk_pages()
+        for start in range(0, len(pages), step):
+            chunk_slots = slots[start : start + step]
+            chunk_pages = pages[start : start + step]
             staging = torch.empty((len(chunk_slots), self.block_bytes // self._word), dtype=self._wtype, device=self.device)
             for k, s0, _, n in runs(chunk_slots, chunk_slots):
                 staging[k : k + n].copy_(host[s0 : s0 + n], non_blocking=True)
-            index = torch.tensor(pages[start : start + len(chunk_slots)], dtype=torch.int64, device=self.device)
-            for view, off, nbytes in self._buffers():
-                view.index_copy_(0, index, staging[:, off : off + nbytes])
+            sources = [staging[:, off : off + nbytes] for _, off, nbytes in self._buffers()]
+            spans = list(runs(chunk_pages, chunk_pages))
+            if len(spans) == 1:  # one fused multi-tensor copy for a contiguous run of pages
+                p0, n = spans[0][1], spans[0][3]
+                torch._foreach_copy_([view[p0 : p0 + n] for view in self._views], sources)
+            else:
+                index = torch.tensor(chunk_pages, dtype=torch.int64, device=self.device)
+                for view, source in zip(self._views, sources):
+                    view.index_copy_(0, index, source)
 
     def read_page(self, page: int) -> torch.Tensor:
         """One device page's bytes, as a block row without padding (for tests and tools)."""
