@@ -103,6 +103,33 @@ def build_stack(
     return Stack(cache, allocator, kvcache, layout, manager, executor, page_size, size)
 
 
+class RecordingSink:
+    """EventSink (the core's port) that keeps what it was told, in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def stored(self, tier, blocks):
+        self.calls.append(("stored", tier, [b.block_id for b in blocks]))
+
+    def removed(self, tier, blocks):
+        self.calls.append(("removed", tier, [b.block_id for b in blocks]))
+
+    def ids(self, kind, tier):
+        return [i for k, t, ids in self.calls if k == kind and t is tier for i in ids]
+
+
+def chain_links(stores) -> list:
+    """``(parent, block)`` for every block of a sequence of (possibly coalesced) BlockStored events."""
+    links = []
+    for event in stores:
+        parent = event.parent_block_hash
+        for block_hash in event.block_hashes:
+            links.append((parent, block_hash))
+            parent = block_hash
+    return links
+
+
 @pytest.fixture
 def stack_factory():
     built = []

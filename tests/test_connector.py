@@ -6,6 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from conftest import RecordingSink
 from sglang_kvbm.backends.local.manager import LocalBlockManager
 from sglang_kvbm.core.connector import KvbmConnector
 from sglang_kvbm.core.identity import chain_hashes
@@ -14,19 +15,6 @@ from sglang_kvbm.core.tiers import Tier
 from sglang_kvbm.kv_layout import PagedKvLayout, runs
 
 PAGE = 4
-
-
-class RecordingSink:
-    """EventSink that keeps what it was told, in order."""
-
-    def __init__(self):
-        self.calls = []
-
-    def stored(self, tier, blocks):
-        self.calls.append(("stored", tier, [b.block_id for b in blocks]))
-
-    def removed(self, tier, blocks):
-        self.calls.append(("removed", tier, [b.block_id for b in blocks]))
 
 
 def make(host_blocks=16, pages=32, executor=None):

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import RecordingSink
 from sglang_kvbm.backends.local.disk_setup import probe
 from sglang_kvbm.backends.local.disk_store import DiskStore
 from sglang_kvbm.backends.local.manager import LocalBlockManager
@@ -29,20 +30,6 @@ from sglang_kvbm.kv_layout import PagedKvLayout
 
 PAGE = 4
 FINGERPRINT = bytes(range(16))
-
-
-class RecordingSink:
-    def __init__(self):
-        self.calls = []
-
-    def stored(self, tier, blocks):
-        self.calls.append(("stored", tier, [b.block_id for b in blocks]))
-
-    def removed(self, tier, blocks):
-        self.calls.append(("removed", tier, [b.block_id for b in blocks]))
-
-    def ids(self, kind, tier):
-        return [i for k, t, ids in self.calls if k == kind and t is tier for i in ids]
 
 
 class Tiers:

@@ -9,6 +9,7 @@ from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 from sglang.srt.mem_cache.utils import get_hash_str, get_storage_hash_str
 
+from conftest import chain_links
 from sglang_kvbm.core.identity import chain_hashes, event_id, namespace_seed, page_hashes
 
 
@@ -45,13 +46,7 @@ def test_ids_equal_the_tree_and_its_gpu_events():
     published = [h for e in events for h in e.block_hashes]
     ours = chain_hashes(tokens, 4)
     assert published == [event_id(h) for h in ours]
-    links = []
-    for event in events:
-        parent = event.parent_block_hash
-        for block_hash in event.block_hashes:
-            links.append((parent, block_hash))
-            parent = block_hash
     ids = [event_id(h) for h in ours]
-    assert links == list(zip([None] + ids[:-1], ids))
+    assert chain_links(events) == list(zip([None] + ids[:-1], ids))
     node = tree.root_node.children[tuple(tokens[:4])].children[tuple(tokens[8:12])]
     assert node.hash_value == ours[2:]

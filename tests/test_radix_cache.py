@@ -16,7 +16,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackPara
 from sglang.srt.mem_cache.common import match_kv_cache
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from conftest import make_req
+from conftest import chain_links, make_req
 
 
 def insert(stack, tokens, *, seed, cache_salt=None, priority=0):
@@ -153,18 +153,9 @@ def test_host_events_reuse_gpu_block_ids_and_parent_chain(stack_factory):
     cpu = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU_PINNED"]
     removed = [e for e in events if isinstance(e, BlockRemoved) and e.medium == "CPU_PINNED"]
 
-    def chain(stores):
-        links = []
-        for event in stores:
-            parent = event.parent_block_hash
-            for block_hash in event.block_hashes:
-                links.append((parent, block_hash))
-                parent = block_hash
-        return links
-
-    assert chain(cpu) == chain(gpu)  # same ids, same parents, same order
+    assert chain_links(cpu) == chain_links(gpu)  # same ids, same parents, same order
     assert all(e.block_size == 4 and len(e.token_ids) == 4 * len(e.block_hashes) for e in cpu)
-    first_ids = [h for _, h in chain(gpu)[:8]]
+    first_ids = [h for _, h in chain_links(gpu)[:8]]
     assert sorted(h for e in removed for h in e.block_hashes) == sorted(first_ids)
     # Every host store comes after a store (in some tier) of its parent.
     seen = set()

@@ -59,9 +59,9 @@ def kvbm_run(model_dir, tmp_path_factory):
         # idle scheduler publishes it. Ask the server for one more tiny request
         # so that completion has been drained before the replay.
         server.generate(prompt_ids(99, 8), max_new_tokens=1)
-        batches = replay(replay_endpoint)
         stop.set()
         listener.join(timeout=30)
+        batches = replay(replay_endpoint)  # after the listener stopped: everything it saw is in here
         stalled.close(linger=0)
         cli = subprocess.run(
             [sys.executable, "-m", "sglang_kvbm.cli", "events", endpoint, "--replay", replay_endpoint, "--seconds", "1"],
