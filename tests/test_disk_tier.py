@@ -267,7 +267,6 @@ def test_torn_journal_tail_keeps_the_records_before_it(tmp_path):
     a = Tiers(tmp_path)
     a.store(list(range(16)), [1, 2, 3, 4])
     a.disk._journal.flush()
-    directory = a.disk.directory
     # Simulate a crash: the journal holds the records, the snapshot is stale, the tail is torn.
     a.connector._manager._disk_executor.shutdown()
     a.disk._journal.write(b"\x10\x00\x00\x00torn")

@@ -3,7 +3,6 @@ every tier, no unpickling or evaluation of input."""
 
 from __future__ import annotations
 
-import os
 import re
 import stat
 from array import array

@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from sglang_kvbm.backends.local.manager import LocalBlockManager
-from sglang_kvbm.config import KvbmConfig
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from sglang_kvbm.backends.local.manager import LocalBlockManager
+from sglang_kvbm.config import KvbmConfig
 from sglang_kvbm.http_server import KvbmHttpServer, json_reply
-from sglang_kvbm.metrics import KvbmMetrics
 from sglang_kvbm.integration.sglang.radix_cache import KvbmRadixCache
+from sglang_kvbm.metrics import KvbmMetrics
 
 
 def stats_of(cache: KvbmRadixCache, manager: LocalBlockManager) -> dict:

@@ -18,13 +18,13 @@ from sglang_kvbm.core.offload_filter import FrequencyFilter
 from sglang_kvbm.core.onboard_policy import OnboardPolicy
 from sglang_kvbm.core.tiers import ROUTER_MEDIA, Tier
 from sglang_kvbm.integration.sglang.endpoint import metrics_snapshot, start_http
-from sglang_kvbm.metrics import KvbmMetrics
 from sglang_kvbm.integration.sglang.events import SglangEventSink
 from sglang_kvbm.integration.sglang.fingerprint import server_fingerprint
 from sglang_kvbm.integration.sglang.kv_pool import UnsupportedPoolError, paged_layout
 from sglang_kvbm.integration.sglang.prefill_meter import attach_prefill_meter
 from sglang_kvbm.integration.sglang.radix_cache import KvbmRadixCache
 from sglang_kvbm.kv_layout import PagedKvLayout
+from sglang_kvbm.metrics import KvbmMetrics
 
 logger = logging.getLogger(__name__)
 

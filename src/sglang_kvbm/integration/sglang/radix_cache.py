@@ -28,6 +28,7 @@ from array import array
 from concurrent.futures import Future
 from typing import Optional
 
+import torch
 from sglang.srt.mem_cache.base_prefix_cache import (
     CacheRequestHandle,
     EvictParams,
@@ -39,7 +40,6 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     MatchResult,
 )
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-import torch
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 from sglang.srt.mem_cache.utils import compute_node_hash_values, get_storage_hash_str
 
