@@ -12,6 +12,7 @@ from sglang_kvbm.config import _VARS, ConfigError, KvbmConfig
 BAD = {
     "_positive_float": ["four", "-1", "0", "nan", "inf"],
     "_positive_int": ["1.5", "0", "-3", "ten"],
+    "_block_size": ["1.5", "0", "sixteen"],
     "_priority": ["101", "-1", "high"],
     "_bool": ["maybe", "2", "yesno"],
     "_directory": ["/tmp/a\x00b"],

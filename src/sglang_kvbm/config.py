@@ -84,6 +84,16 @@ def _host(name: str, raw: str) -> str:
         raise ConfigError(f"{name}={raw!r} is not an IP address: set it to 127.0.0.1 (default) or 0.0.0.0") from None
 
 
+def _block_size(name: str, raw: str) -> int:
+    try:
+        value = int(raw, 10)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ConfigError(f"{name}={raw!r} is not a block size: set it to the router's --block-size in tokens, e.g. 16")
+    return value
+
+
 def _directory(name: str, raw: str) -> str:
     if "\x00" in raw:
         raise ConfigError(f"{name} contains a NUL byte: set it to a directory path")
@@ -139,7 +149,7 @@ _VARS: tuple[_Var, ...] = (
     _Var(
         "SGLANG_KVBM_ROUTER_BLOCK_SIZE",
         "router_block_size",
-        _positive_int,
+        _block_size,
         "the block size Dynamo's router runs with; start-up fails unless it equals the page size",
     ),
     _Var(
