@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 import requests
 from sglang.srt.disaggregation.kv_events import BlockStored
 
-from conftest import e2e_prompts, run_e2e_sequence
+from conftest import e2e_prompts, run_e2e_sequence, same_output
 from sglang_kvbm.integration.sglang.event_stream import replay
 from sglang_kvbm.testing.model import prompt_ids
 from sglang_kvbm.testing.server import SglangServer, free_port
@@ -59,6 +60,37 @@ class Observed:
                 values[name] = float(value)
         return values
 
+    def stored(self):
+        """Blocks the event stream says were stored, per lower-tier medium."""
+        stores = {"CPU_PINNED": 0, "DISK": 0}
+        for _, batch in replay(self.replay):
+            for event in batch.events:
+                if isinstance(event, BlockStored) and event.medium in stores:
+                    stores[event.medium] += len(event.block_hashes)
+        return stores
+
+    def settled(self, timeout=30.0):
+        """Metrics and stored blocks once no copy is in flight and the publisher has caught up.
+
+        The idle scheduler keeps polling the cache, and SGLang's publisher sends
+        from its own thread, so one scrape and one replay are two moments: read
+        both until a scrape taken after the replay still matches the one before.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = requests.get(f"http://127.0.0.1:{self.http}/stats", timeout=30).json()
+            before = self.metrics()
+            stores = self.stored()
+            after = self.metrics()
+            offloaded = after["kvbm_offload_blocks_h2d"] + after["kvbm_offload_blocks_d2d"]
+            if stats["in_flight"] == 0 and before == after and (
+                stores == {"CPU_PINNED": after["kvbm_offload_blocks_d2h"], "DISK": offloaded}
+            ):
+                return after, stores
+            if time.monotonic() > deadline:
+                return after, stores  # the caller's assertions say what disagrees
+            time.sleep(0.2)
+
 
 def start(model_dir, directory, log, page_size=4, observed=None):
     return SglangServer(
@@ -68,13 +100,6 @@ def start(model_dir, directory, log, page_size=4, observed=None):
         extra_args=["--radix-cache-backend", "kvbm"] + (observed.args() if observed else []),
         env=disk_env(directory, **(observed.env() if observed else {})),
         log_path=log,
-    )
-
-
-def same_output(ours, theirs):
-    return (
-        ours["output_ids"] == theirs["output_ids"]
-        and ours["meta_info"]["output_token_logprobs"] == theirs["meta_info"]["output_token_logprobs"]
     )
 
 
@@ -96,17 +121,12 @@ def corrupt_every_block(path):
 def check_metrics_against_work(server, observed, results):
     """KVBM's counters, scraped, equal what the responses and the event stream say was done."""
     server.generate(prompt_ids(99, 8), max_new_tokens=1)  # drain the last copies into events
-    metrics = observed.metrics()
+    metrics, stores = observed.settled()
     host_tokens = sum((r["meta_info"].get("cached_tokens_details") or {}).get("host", 0) for r in results)
     disk_tokens = sum((r["meta_info"].get("cached_tokens_details") or {}).get("storage", 0) for r in results)
     assert metrics["kvbm_onboard_blocks_h2d"] == host_tokens // 4
     assert metrics["kvbm_onboard_blocks_d2d"] == disk_tokens // 4 > 0
     assert metrics["kvbm_matched_tokens"] == host_tokens + disk_tokens
-    stores = {"CPU_PINNED": 0, "DISK": 0}
-    for _, batch in replay(observed.replay):
-        for event in batch.events:
-            if isinstance(event, BlockStored) and event.medium in stores:
-                stores[event.medium] += len(event.block_hashes)
     assert metrics["kvbm_offload_blocks_d2h"] == stores["CPU_PINNED"] > 0
     assert metrics["kvbm_offload_blocks_h2d"] + metrics["kvbm_offload_blocks_d2d"] == stores["DISK"] > 0
     assert 0 < metrics["kvbm_disk_cache_hit_rate"] <= 1 and 0 <= metrics["kvbm_host_cache_hit_rate"] <= 1

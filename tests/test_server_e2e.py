@@ -2,8 +2,9 @@
 
 Two real servers with the locally generated model. The kvbm server's device
 pool is too small for the workload, so the repeated prompt must come back from
-the host tier; its greedy tokens and logprobs must equal the stock server's,
-which serves the same prompt from its device cache (same KV bytes, same numbers).
+the host tier; its greedy tokens must equal the stock server's, which serves the
+same prompt from its device cache, and its logprobs agree to within float noise
+(conftest.LOGPROB_TOLERANCE says why not to the bit).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 import zmq
 from sglang.srt.disaggregation.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
-from conftest import run_e2e_sequence
+from conftest import run_e2e_sequence, same_output
 from sglang_kvbm.integration.sglang.event_stream import replay, subscribe
 from sglang_kvbm.testing.model import prompt_ids
 from sglang_kvbm.testing.server import ServerError, SglangServer, free_port
@@ -83,8 +84,8 @@ def test_host_hit_output_equals_stock_device_hit(kvbm_run, stock_results):
     stock_final = stock_results["A2"]
     assert stock_final["meta_info"]["cached_tokens_details"]["device"] == 596  # stock served it from device
     for ours, theirs in zip(results, [stock_results[n] for n in ("A", "B", "C", "A2")]):
-        assert ours["output_ids"] == theirs["output_ids"]
-        assert ours["meta_info"]["output_token_logprobs"] == theirs["meta_info"]["output_token_logprobs"]
+        assert same_output(ours, theirs), (ours["meta_info"]["output_token_logprobs"],
+                                           theirs["meta_info"]["output_token_logprobs"])
 
 
 def test_event_stream_carries_host_tier_in_order(kvbm_run):
