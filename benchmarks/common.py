@@ -50,9 +50,16 @@ def verdict(value: float, target: float, lower_is_better: bool = True) -> str:
     return f"{'met' if ok else 'MISSED'} ({'<=' if lower_is_better else '>='} {target})"
 
 
-def save_plot(name: str, draw) -> Path:
-    """``draw(ax)`` on a fresh figure; saved as a PNG in the output directory."""
-    import matplotlib
+def save_plot(name: str, draw) -> str:
+    """``draw(ax)`` on a fresh figure, saved as a PNG in the output directory; returns where.
+
+    The tables need nothing beyond the test install; the plots need matplotlib
+    (the ``bench`` extra), and are skipped with a word when it is missing.
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        return "skipped (no matplotlib: pip install -e '.[bench]', or run make bench)"
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -63,4 +70,4 @@ def save_plot(name: str, draw) -> Path:
     path = out_dir() / f"{name}.png"
     fig.savefig(path)
     plt.close(fig)
-    return path
+    return str(path)
