@@ -36,14 +36,14 @@ class Tiers:
     """A connector over host + disk tiers on a CPU 'device' pool made of plain tensors."""
 
     def __init__(self, root: Path, *, host_blocks=16, disk_blocks=64, use_filter=False, fingerprint=FINGERPRINT,
-                 o_direct=True, pages=64):
+                 o_direct=True, pages=64, staging_blocks=None):
         torch.manual_seed(0)
         self.buffers = [torch.randn(pages * PAGE, 2, 16) for _ in range(4)]
         self.layout = PagedKvLayout(self.buffers, PAGE)
         found = probe(root, disk_blocks * (4096 + self.layout.block_bytes), zerofill_fallback=False,
                       disable_o_direct=not o_direct)
         self.disk = DiskStore(probe=found, num_slots=disk_blocks, block_bytes=self.layout.block_bytes,
-                              fingerprint=fingerprint, page_size=PAGE)
+                              fingerprint=fingerprint, page_size=PAGE, staging_blocks=staging_blocks)
         self.manager = LocalBlockManager(self.layout, host_blocks, disk=self.disk,
                                          offload_filter=FrequencyFilter() if use_filter else None)
         self.sink = RecordingSink()
@@ -112,6 +112,37 @@ def test_host_to_disk_and_back_bytes_equal(tiers_factory):
     for got, want in zip(t.pages(range(20, 28)), original):
         assert torch.equal(got, want)
     assert t.connector.stats.onboard_blocks_d2d == 8 and t.connector.stats.offload_blocks_h2d >= 8
+
+
+def test_reads_pipelined_over_staging_chunks_and_a_fault_in_a_later_chunk(tiers_factory):
+    """Ten blocks through a 3-block staging: four chunks, two buffers, read ahead of the copy."""
+    t = tiers_factory(host_blocks=10, staging_blocks=3)
+    pages = list(range(1, 11))
+    ids = t.store(list(range(300, 340)), pages)
+    original = t.pages(pages)
+    t.evict_host(10)
+    assert t.connector.load(ids, list(range(20, 30))).disk_blocks == 10
+    for got, want in zip(t.pages(range(20, 30)), original):
+        assert torch.equal(got, want)
+
+    ids2 = t.store(list(range(400, 440)), pages)
+    t.store(list(range(60_000, 60_040)), list(range(40, 50)))  # push ids2 out of the host tier
+    assert t.manager.host.rows_of(ids2) is None
+    victim = ids2[7]  # third chunk: two chunks are verified and copied before it is read
+    with open(segment_file(t), "r+b") as f:
+        f.seek(slot_data_offset(t, victim) + 5)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    assert t.connector.load(ids2, list(range(20, 30))) is None
+    t.connector.poll()
+    assert t.sink.ids("removed", Tier.DISK) == [victim]
+    assert all(t.disk.registered(i) for i in ids2 if i != victim)
+    assert t.disk.stats.invalidated == {"checksum mismatch": 1}
+    # The next read finds both buffers free: the read-ahead of the fourth chunk was waited out.
+    assert t.connector.load(ids, list(range(30, 40))).disk_blocks == 10
+    for got, want in zip(t.pages(range(30, 40)), original):
+        assert torch.equal(got, want)
 
 
 def test_disk_only_tier_stores_device_pages_directly(tiers_factory):
