@@ -174,10 +174,12 @@ def e2e_prompts():
     return {name: prompt_ids(seed, 600) for seed, name in enumerate("ABC")}
 
 
-# Logprobs of two server processes agree to about 1e-6, not to the bit: on AVX-512 the
-# same matmul can sum in another order depending on the alignment of its operands, and
-# stock SGLang's own device hit differs from its cold run by 6e-6 (another attention
-# shape). Wrong KV moves them by orders of magnitude more, and changes the greedy ids.
+# Logprobs of two server processes agree to about 1e-6, not to the bit. Measured on an
+# AVX-512 machine: one decode step of a kvbm host hit 1.1e-6 from stock's device hit,
+# deterministically, even single-threaded, every other step bit-equal (a one-step
+# difference, so not the KV; most likely a matmul summing in another order), and stock
+# SGLang's own device hit 6e-6 from its cold run (another attention shape). Wrong KV
+# moves every later step by orders of magnitude more, and changes the greedy ids.
 LOGPROB_TOLERANCE = 1e-4
 
 
