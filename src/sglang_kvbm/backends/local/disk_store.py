@@ -176,11 +176,11 @@ class DiskStore:
         self.o_direct = probe.o_direct
         self._preallocate = probe.preallocate
         self.stats = DiskStats()
-        if staging_blocks is None:  # given (tests): both; else each its own measured best
-            self._staging = max(1, min(MAX_READ_STAGING_BLOCKS, READ_STAGING_BYTES // self.slot_bytes))
+        if staging_blocks is None:  # each direction its measured best (see the constants)
+            self._read_staging = max(1, min(MAX_READ_STAGING_BLOCKS, READ_STAGING_BYTES // self.slot_bytes))
             self._write_staging = WRITE_STAGING_BLOCKS
-        else:
-            self._staging = self._write_staging = max(1, staging_blocks)
+        else:  # one size for both (tests use small chunks)
+            self._read_staging = self._write_staging = max(1, staging_blocks)
         self._retired: list[BlockMeta] = []
         self._old_fds: list[int] = []
 
@@ -204,7 +204,7 @@ class DiskStore:
         # Separate staging for the two threads that do I/O; reads get two buffers, so
         # that the next chunk is read while the last one is verified and copied.
         self._read_buffers = [
-            (aligned_empty((self._staging, self.header_bytes)), aligned_empty((self._staging, block_bytes)))
+            (aligned_empty((self._read_staging, self.header_bytes)), aligned_empty((self._read_staging, block_bytes)))
             for _ in range(2)
         ]
         self._write_headers = aligned_empty((self._write_staging, self.header_bytes))
@@ -482,9 +482,7 @@ class DiskStore:
                 except HeaderTooLarge as exc:
                     raise DiskIOError(str(exc)) from None
                 headers.append(header)
-                segment, offset = self._segment_of(reservation.slot)
-                local += [(self._write_headers[i].data_ptr(), self.header_bytes, 0), (row.data_ptr(), self.block_bytes, 0)]
-                remote += [(offset, self.header_bytes, segment.fd), (offset + self.header_bytes, self.block_bytes, segment.fd)]
+                self._describe(reservation.slot, self._write_headers[i], row, local, remote)
             self._transfer("WRITE", local, remote)
         self.stats.writes += 1
         self.stats.written_blocks += len(reserved)
@@ -503,12 +501,13 @@ class DiskStore:
         failing chunk is consumed); the caller invalidates them.
 
         Reads are double-buffered: chunk k+1 is in flight while chunk k is
-        verified and consumed, so the disk never waits on the checksum or the copy.
+        verified and consumed, so the read overlaps the checksum and the copy.
         """
         for segment in {self._segment_of(e.slot)[0].index: self._segment_of(e.slot)[0] for e in entries}.values():
             self._check_segment(segment)
         started = time.perf_counter()
-        chunks = [entries[start : start + self._staging] for start in range(0, len(entries), self._staging)]
+        step = self._read_staging
+        chunks = [entries[start : start + step] for start in range(0, len(entries), step)]
         following = self._post_read(chunks[0], 0) if chunks else None
         try:
             for k, chunk in enumerate(chunks):
@@ -531,9 +530,9 @@ class DiskStore:
                         if reason is not None:
                             failed[i] = reason
                 if failed:
-                    start = k * self._staging
+                    start = k * step
                     return [(start + i, reason) for i, reason in sorted(failed.items())]
-                consume(data, k * self._staging, len(chunk))
+                consume(data, k * step, len(chunk))
         finally:
             self._abandon(following)  # a read still in flight must land before its buffer is reused
         self.stats.reads += 1
@@ -553,14 +552,19 @@ class DiskStore:
         local, remote = [], []
         try:
             for entry, i in zip(entries, rows):
-                segment, offset = self._segment_of(entry.slot)
+                segment = self._segment_of(entry.slot)[0]
                 if not segment.alive:
                     raise DiskIOError(f"segment {segment.path.name} is gone")
-                local += [(headers[i].data_ptr(), self.header_bytes, 0), (data[i].data_ptr(), self.block_bytes, 0)]
-                remote += [(offset, self.header_bytes, segment.fd), (offset + self.header_bytes, self.block_bytes, segment.fd)]
+                self._describe(entry.slot, headers[i], data[i], local, remote)
             return self._post("READ", local, remote)
         except DiskIOError as exc:
             return exc
+
+    def _describe(self, slot: int, header_row: torch.Tensor, data_row: torch.Tensor, local: list, remote: list) -> None:
+        """Append one slot's header and block, memory side and file side, to a transfer's descriptors."""
+        segment, offset = self._segment_of(slot)
+        local += [(header_row.data_ptr(), self.header_bytes, 0), (data_row.data_ptr(), self.block_bytes, 0)]
+        remote += [(offset, self.header_bytes, segment.fd), (offset + self.header_bytes, self.block_bytes, segment.fd)]
 
     def _verify(self, entry: DiskEntry, header_row: torch.Tensor, data_row: torch.Tensor) -> Optional[str]:
         """None if the staging rows hold exactly ``entry``'s block, else why not."""
