@@ -14,18 +14,48 @@ import torch
 from sglang_kvbm.kv_layout import PagedKvLayout
 
 
+class GatedExecutor(ThreadPoolExecutor):
+    """One worker thread, as in production, that starts work only once ``gate`` is open.
+
+    Makes "a copy is still in flight" a state a test can hold, without sleeps.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=1, thread_name_prefix="kvbm-test-offload")
+        self.gate = threading.Event()
+        self.submit(self._hold)
+
+    def _hold(self) -> None:
+        if not self.gate.wait(timeout=120):
+            raise TimeoutError("test gate never opened")
+
+
 @dataclasses.dataclass
 class Stack:
-    """A KvbmRadixCache over real SGLang pools on CPU, as the scheduler builds them."""
+    """SGLang's default tree over real pools on CPU with a KvbmLinker, as the scheduler builds it."""
 
-    cache: object
+    cache: object  # KvbmCache: the tree, the linker, and the custom-server calls
     allocator: object
     kvcache: object
-    layout: PagedKvLayout
-    manager: object
     executor: Optional[ThreadPoolExecutor]
     page_size: int
     size: int
+
+    @property
+    def tree(self):
+        return self.cache.tree
+
+    @property
+    def linker(self):
+        return self.cache.linker
+
+    @property
+    def manager(self):
+        return self.cache.linker.manager
+
+    @property
+    def layout(self) -> PagedKvLayout:
+        return self.cache.linker.layout
 
     def write_random(self, slots: torch.Tensor, seed: int) -> list[torch.Tensor]:
         """Fill the pages behind ``slots`` with random bytes; returns each page's bytes, in token order."""
@@ -43,21 +73,86 @@ class Stack:
         for page in range(self.layout.num_pages):
             self.layout.write_page(page, garbage)
 
+    def insert(self, tokens, *, seed: int, cache_salt=None, extra_key=None, priority: int = 0):
+        """Write random KV for ``tokens`` (not cached yet) into fresh pages and insert it, as a checkpoint does."""
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
 
-class GatedExecutor(ThreadPoolExecutor):
-    """One worker thread, as in production, that starts work only once ``gate`` is open.
+        slots = self.allocator.alloc(len(tokens))
+        assert slots is not None, "test pool too small"
+        written = self.write_random(slots, seed)
+        key = RadixKey(array("q", tokens), extra_key, cache_salt=cache_salt)
+        result = self.tree.insert(InsertParams(key=key, value=slots.to(torch.int64), priority=priority))
+        assert result.prefix_len == 0
+        return written
 
-    Makes "a copy is still in flight" a state a test can hold, without sleeps.
-    """
+    def insert_tail(self, prefix, tail, *, seed: int):
+        """Insert ``prefix + tail`` where ``prefix`` is on the device: only the tail gets new pages."""
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    def __init__(self) -> None:
-        super().__init__(max_workers=1, thread_name_prefix="kvbm-test-offload")
-        self.gate = threading.Event()
-        self.submit(self._hold)
+        hit = self.cache.prefix(prefix + [0])
+        assert hit.device_tokens == len(prefix), "the prefix is not on the device"
+        slots = self.allocator.alloc(len(tail))
+        written = self.write_random(slots, seed)
+        values = torch.cat([hit.indices.to(torch.int64), slots.to(torch.int64)])
+        self.tree.insert(InsertParams(key=RadixKey(array("q", prefix + tail)), value=values))
+        self.cache.release(hit)
+        return written
 
-    def _hold(self) -> None:
-        if not self.gate.wait(timeout=120):
-            raise TimeoutError("test gate never opened")
+    def block_ids(self, tokens, *, cache_salt=None, extra_key=None) -> list[str]:
+        """The storage keys (block ids) of the full pages of ``tokens``, as SGLang computes them."""
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+        from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+        key = RadixKey(array("q", tokens), extra_key, cache_salt=cache_salt).page_aligned(self.page_size)
+        return get_storage_hash_str(key, None, page_size=self.page_size) if len(key) else []
+
+    def evict(self, num_tokens: int) -> int:
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        return self.tree.evict(EvictParams(num_tokens=num_tokens)).num_tokens_evicted
+
+    def settle(self) -> None:
+        """Every copy done and every finished offload handed back to the tree (unlocking its node)."""
+        assert self.cache.flush(timeout=60)
+
+    def evict_all(self) -> int:
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        return self.tree.evict(EvictParams(num_tokens=self.size)).num_tokens_evicted
+
+    def host_blocks(self) -> int:
+        return len(self.manager.host) if self.manager.host is not None else 0
+
+    def admit(self, tokens, rid: str = "r", *, cache_salt=None, extra_key=None):
+        """What the scheduler does for a new request: match, load back (queued), start the layer-wise load.
+
+        Returns ``(req, match, loaded tokens, private slots of the load or None, consumer index)``.
+        """
+        from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        req = make_req(tokens, rid, cache_salt=cache_salt, extra_key=extra_key)
+        usable = (len(tokens) - 1) // self.page_size * self.page_size
+        key = RadixKey(array("q", tokens[:usable]), extra_key, cache_salt=cache_salt)
+        match = self.tree.match_prefix(MatchPrefixParams(key=key, req=req))
+        req.last_node = match.last_device_node
+        loaded, slots, index = 0, None, -1
+        if match.host_hit_length:
+            loaded, _ = self.tree.init_load_back(InitLoadBackParams(
+                best_match_node=match.best_match_node, host_hit_length=match.host_hit_length, req=req))
+            if loaded:
+                slots = self.tree.linker.private_load_indices[rid].clone()
+                index = self.tree.ready_to_load_host_cache()
+        return req, match, loaded, slots, index
+
+    def finish(self, req) -> bool:
+        """After the forward: wait for the batch's loads; True when they landed."""
+        return not self.tree.finish_external_linker_loads([req])
+
+    def read_pages(self, slots) -> list[torch.Tensor]:
+        return [self.layout.read_page(p) for p in (slots[:: self.page_size] // self.page_size).tolist()]
 
 
 def build_stack(
@@ -66,41 +161,50 @@ def build_stack(
     size: int = 64,
     page_size: int = 4,
     host_blocks: int = 64,
+    disk_blocks: int = 0,
+    disk_dir=None,
     events: bool = False,
     gated: bool = False,
     min_offload_priority: int = 0,
     executor=None,
+    layers: int = 2,
+    dynamo_format: bool = False,
+    lora_names=None,
+    disable_filter: bool = True,
 ) -> Stack:
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.events import KvEventLoraNames
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
 
-    from sglang_kvbm.backends.local.manager import LocalBlockManager
-    from sglang_kvbm.core.connector import KvbmConnector
-    from sglang_kvbm.integration.sglang.events import SglangEventSink
-    from sglang_kvbm.integration.sglang.kv_pool import paged_layout
-    from sglang_kvbm.integration.sglang.radix_cache import KvbmRadixCache
+    from sglang_kvbm.config import KvbmConfig
+    from sglang_kvbm.integration.sglang.custom import build_cache
 
     if pool == "mha":
-        kvcache = MHATokenToKVPool(size, page_size, torch.float32, 2, 8, 2, "cpu", False)
+        kvcache = MHATokenToKVPool(size, page_size, torch.float32, 2, 8, layers, "cpu", False)
     else:
-        kvcache = MLATokenToKVPool(size, page_size, torch.bfloat16, 16, 8, 2, "cpu", False)
+        kvcache = MLATokenToKVPool(size, page_size, torch.bfloat16, 16, 8, layers, "cpu", False)
     allocator = PagedTokenToKVPoolAllocator(size, page_size, kvcache.dtype, "cpu", kvcache, need_sort=False)
-    layout = paged_layout(kvcache, page_size)
     if gated:
         executor = GatedExecutor()
-    manager = LocalBlockManager(layout, host_blocks, executor=executor)
-    sink = SglangEventSink()
-    connector = KvbmConnector(manager, sink, min_offload_priority=min_offload_priority)
     params = CacheInitParams(
         disable=False,
         req_to_token_pool=ReqToTokenPool(size=8, max_context_len=4096, device="cpu", enable_memory_saver=False),
         token_to_kv_pool_allocator=allocator,
         page_size=page_size,
         enable_kv_cache_events=events,
+        dynamo_kv_event_format=dynamo_format,
+        kv_event_lora_names=lora_names or KvEventLoraNames(),
     )
-    cache = KvbmRadixCache(params, connector, sink)
-    return Stack(cache, allocator, kvcache, layout, manager, executor, page_size, size)
+    config = KvbmConfig(
+        cpu_cache_blocks=host_blocks or None,
+        disk_cache_blocks=disk_blocks or None,
+        disk_cache_dir=str(disk_dir) if disk_dir else "/tmp",
+        disable_disk_offload_filter=disable_filter,
+        host_offload_min_priority=min_offload_priority,
+    )
+    cache = build_cache(params, config, offload_executor=executor)
+    return Stack(cache, allocator, kvcache, executor, page_size, size)
 
 
 class RecordingSink:
@@ -143,7 +247,7 @@ def stack_factory():
     for stack in built:
         if isinstance(stack.executor, GatedExecutor):
             stack.executor.gate.set()
-        stack.cache.connector.close()
+        stack.cache.close()
 
 
 def make_req(tokens, rid: str = "r", *, cache_salt: Optional[str] = None, extra_key: Optional[str] = None):

@@ -1,4 +1,4 @@
-"""The core over the real local backend, on plain CPU tensors (no SGLang)."""
+"""The core and the local backend on plain CPU tensors (no SGLang): copies, tickets, LRU, failures."""
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -7,110 +7,157 @@ import pytest
 import torch
 
 from conftest import RecordingSink
+from sglang_kvbm.backends.local import copies
 from sglang_kvbm.backends.local.manager import LocalBlockManager
 from sglang_kvbm.core.connector import KvbmConnector
 from sglang_kvbm.core.identity import chain_hashes
-from sglang_kvbm.core.ports import BlockMeta, PageStore
+from sglang_kvbm.core.ports import BlockMeta, StoreRequest
 from sglang_kvbm.core.tiers import Tier
-from sglang_kvbm.kv_layout import PagedKvLayout, runs
+from sglang_kvbm.kv_layout import PagedKvLayout, index
 
 PAGE = 4
 
 
 def make(host_blocks=16, pages=32, executor=None):
-    buffers = [torch.randn(pages * PAGE, 2, 8) for _ in range(3)] + [torch.randn(pages * PAGE, 1, 5)]
-    layout = PagedKvLayout(buffers, PAGE)
+    # Two "layers" of K and V (word-aligned) plus an odd-sized buffer that forces byte copies.
+    buffers = [torch.randn(pages * PAGE, 2, 8) for _ in range(4)] + [torch.randn(pages * PAGE, 1, 5)]
+    layout = PagedKvLayout(buffers, PAGE, layers=[(0, 2, 4), (1, 3)])
     sink = RecordingSink()
     manager = LocalBlockManager(layout, host_blocks, executor=executor)
-    return KvbmConnector(manager, sink), manager, layout, sink
+    return KvbmConnector(manager, sink, page_size=PAGE), manager, layout, sink
 
 
-def stores(tokens, pages):
-    ids = chain_hashes(tokens, PAGE)
-    return [PageStore(BlockMeta(i, tuple(tokens[k * PAGE : (k + 1) * PAGE])), p) for k, (i, p) in enumerate(zip(ids, pages))]
+def request(tokens, pages) -> StoreRequest:
+    ids = tuple(chain_hashes(tokens, PAGE))
+
+    def describe(positions):
+        return [BlockMeta(ids[p], tuple(tokens[p * PAGE : (p + 1) * PAGE]), None, ids[p - 1] if p else None)
+                for p in positions]
+
+    slots = torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages])
+    return StoreRequest(ids, slots, describe)
 
 
-def test_runs_coalesce_contiguous_pairs():
-    assert list(runs([3, 4, 5, 9, 10, 2], [0, 1, 2, 3, 4, 7])) == [(0, 3, 0, 3), (3, 9, 3, 2), (5, 2, 7, 1)]
+def load(manager, layout, ids, pages):
+    plan = manager.acquire(ids)
+    assert plan is not None
+    slots = torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages])
+    batch = copies.load_batch(layout, manager.load_parts(plan, layout.pages_of(slots)))
+    for layer in range(layout.num_layers):
+        copies.load_layer(layout, None, batch, layer)
+    manager.release(plan)
+    return plan
 
 
-def test_layout_pads_blocks_for_o_direct():
+def test_layout_pads_blocks_for_o_direct_and_maps_layers():
     _, _, layout, _ = make()
-    assert layout.page_bytes == 3 * PAGE * 2 * 8 * 4 + PAGE * 5 * 4
+    assert layout.page_bytes == 4 * PAGE * 2 * 8 * 4 + PAGE * 5 * 4
     assert layout.block_bytes % 4096 == 0 and layout.block_bytes >= layout.page_bytes
+    assert layout.num_layers == 2
+
+
+@pytest.mark.parametrize("pages,rows", [([3, 4, 5], [0, 1, 2]), ([9, 2, 7], [5, 0, 3]), ([3, 4, 5], [7, 1, 4])])
+def test_save_and_per_layer_load_move_exact_bytes(pages, rows):
+    _, _, layout, _ = make()
+    host = layout.host_slab(8, pin=False)
+    before = [layout.read_page(p) for p in pages]
+    layout.save(index(pages), host, index(rows))
+    targets = [20, 21, 30]
+    for layer in range(layout.num_layers):
+        layout.load_layer(layer, host, index(rows), index(targets))
+    for page, want in zip(targets, before):
+        assert torch.equal(layout.read_page(page), want)
+
+
+def test_one_layer_loads_only_its_own_buffers():
+    _, _, layout, _ = make()
+    host = layout.host_slab(2, pin=False)
+    layout.save(index([1]), host, index([0]))
+    target_before = layout.read_page(9)
+    layout.load_layer(1, host, index([0]), index([9]))  # buffers 1 and 3 only
+    after = layout.read_page(9)
+    source = layout.read_page(1)
+    spans = list(zip(layout.buffer_offsets, layout.buffer_page_bytes))
+    for b, (off, n) in enumerate(spans):
+        want = source if b in (1, 3) else target_before
+        assert torch.equal(after[off : off + n], want[off : off + n]), b
 
 
 def test_store_poll_lookup_load_roundtrip():
     connector, manager, layout, sink = make()
     tokens = list(range(24))
-    released = []
-    assert connector.store(stores(tokens, [5, 6, 7, 20, 21, 22]), on_offloaded=lambda: released.append(1))
-    original = [layout.read_page(p) for p in [5, 6, 7, 20, 21, 22]]
+    pages = [5, 6, 7, 20, 21, 22]
+    original = [layout.read_page(p) for p in pages]
+    assert connector.offload(request(tokens, pages))
     assert connector.flush(timeout=30)
-    assert released == [1]
+    assert connector.completed_offloads() == 1 and connector.pop_completed_offload() is True
     ids = chain_hashes(tokens, PAGE)
     assert sink.calls == [("stored", Tier.HOST, ids)]
-    assert connector.lookup(ids + chain_hashes(list(range(30)), PAGE)[6:]) == 6
-    assert connector.load(ids, [0, 1, 2, 3, 4, 8])
+    assert connector.lookup("r", ids + chain_hashes(list(range(30)), PAGE)[6:]) == 6
+    load(manager, layout, ids, [0, 1, 2, 3, 4, 8])
     for page, want in zip([0, 1, 2, 3, 4, 8], original):
         assert torch.equal(layout.read_page(page), want)
-    assert connector.stats.onboard_blocks_h2d == 6 and connector.stats.offload_blocks_d2h == 6
+    assert connector.stats.offload_blocks_d2h == 6
 
 
-def test_already_wrapped_pages_are_not_copied_again():
+def test_held_pages_are_not_copied_again():
     connector, manager, _, _ = make()
-    pages = stores(list(range(8)), [1, 2])
-    assert connector.store(pages, on_offloaded=lambda: None)
-    assert not connector.store(pages, on_offloaded=lambda: None)
+    assert connector.offload(request(list(range(8)), [1, 2]))
+    assert connector.offload(request(list(range(8)), [1, 2]))  # in flight: held
     connector.flush(timeout=30)
-    connector.evicted([p.meta.block_id for p in pages])
-    assert not connector.store(pages, on_offloaded=lambda: None)  # re-wrapped, but the host tier has them
+    assert connector.offload(request(list(range(8)), [3, 4]))  # registered: held
+    connector.flush(timeout=30)
     assert manager.stats.stores_submitted == 1
+    assert [connector.pop_completed_offload() for _ in range(connector.completed_offloads())] == [True] * 3
 
 
 def test_lru_evicts_a_chain_from_its_tail():
     connector, manager, _, sink = make(host_blocks=4)
-    a = list(range(16))
-    b = list(range(100, 108))
-    connector.store(stores(a, [1, 2, 3, 4]), on_offloaded=lambda: None)
+    a, b = list(range(16)), list(range(100, 108))
+    connector.offload(request(a, [1, 2, 3, 4]))
     connector.flush(timeout=30)
-    connector.store(stores(b, [5, 6]), on_offloaded=lambda: None)
+    connector.offload(request(b, [5, 6]))
     connector.flush(timeout=30)
     ids_a = chain_hashes(a, PAGE)
-    removed = [c for c in sink.calls if c[0] == "removed"]
-    assert removed == [("removed", Tier.HOST, [ids_a[3], ids_a[2]])]
-    assert connector.lookup(ids_a) == 2  # the head of the chain survives
+    assert [c for c in sink.calls if c[0] == "removed"] == [("removed", Tier.HOST, [ids_a[3], ids_a[2]])]
+    assert connector.lookup("r", ids_a) == 2  # the head of the chain survives
 
 
 def test_failed_copy_is_dropped_unseen():
-    connector, manager, layout, sink = make()
-    pages = stores(list(range(8)), [1, 10_000])  # page 10000 does not exist: the copy raises
-    released = []
-    assert connector.store(pages, on_offloaded=lambda: released.append(1))
+    connector, manager, _, sink = make()
+    bad = request(list(range(8)), [1, 2])
+    bad = StoreRequest(bad.block_ids, torch.tensor([4, 5, 6, 7, 40_000, 40_001, 40_002, 40_003]), bad.describe)
+    assert connector.offload(bad)  # page 10000 does not exist: the copy raises
     connector.flush(timeout=30)
-    assert released == [1]  # the device pages are released either way
+    assert connector.completed_offloads() == 1 and connector.pop_completed_offload() is False
     assert sink.calls == []
-    assert connector.lookup([p.meta.block_id for p in pages]) == 0
+    assert connector.lookup("r", list(bad.block_ids)) == 0
     assert manager.stats.store_failures == 1
-    assert manager.host.free_rows() == manager.host.capacity
+    assert manager.host.accounting()["free"] == manager.host.capacity
 
 
-def test_no_room_stores_a_prefix_only():
+def test_no_room_stores_a_prefix_only_and_says_so():
     gate = threading.Event()
     executor = ThreadPoolExecutor(max_workers=1)
     executor.submit(gate.wait, 60)
     connector, manager, _, _ = make(host_blocks=3, executor=executor)
     try:
-        pages = stores(list(range(20)), [1, 2, 3, 4, 5])
-        assert connector.store(pages, on_offloaded=lambda: None)
-        assert manager.host.free_rows() == 0
+        assert connector.offload(request(list(range(20)), [1, 2, 3, 4, 5]))
+        assert manager.host.accounting()["free"] == 0
         assert manager.stats.blocks_not_stored_no_room == 2
-        # All three rows are in flight: nothing can be evicted for a new store.
-        assert not connector.store(stores(list(range(50, 54)), [9]), on_offloaded=lambda: None)
+        assert connector.offload(request(list(range(50, 54)), [9]))  # all rows in flight: nothing to evict
     finally:
         gate.set()
     connector.flush(timeout=30)
-    assert connector.lookup([p.meta.block_id for p in pages]) == 3
+    assert [connector.pop_completed_offload() for _ in range(connector.completed_offloads())] == [False, False]
+    assert connector.lookup("r", chain_hashes(list(range(20)), PAGE)) == 3
+
+
+def test_priority_below_the_threshold_is_not_taken():
+    connector, manager, _, _ = make()
+    connector = KvbmConnector(manager, RecordingSink(), page_size=PAGE, min_offload_priority=50)
+    assert not connector.offload(request(list(range(8)), [1, 2]), priority=10)
+    assert connector.offload(request(list(range(8)), [1, 2]), priority=50)
 
 
 @pytest.mark.parametrize("host_blocks", [0, -1])

@@ -1,52 +1,74 @@
-"""The block state machine: legal paths work, every illegal transition raises."""
+"""The block state machine, per slot: legal paths work, every illegal transition raises and changes nothing."""
 
 import pytest
 
-from sglang_kvbm.core.lifecycle import Block, BlockState, BlockStateError
-from sglang_kvbm.core.ports import BlockMeta
+from sglang_kvbm.core.lifecycle import BlockState, BlockStateError, SlotLifecycle
+from sglang_kvbm.core.lru import LruIndex
 
 
-def block() -> Block:
-    return Block(BlockMeta("ab" * 32, (1, 2, 3, 4)))
+def test_full_lifecycle_of_a_batch():
+    slots = SlotLifecycle(8)
+    slots.reserve([1, 2, 3])
+    assert [slots.state(s) for s in (0, 1)] == [BlockState.FREE, BlockState.MUTABLE]
+    slots.commit([1, 2, 3])
+    slots.register([1, 2, 3])
+    assert slots.count(BlockState.REGISTERED) == 3
+    slots.drop([2])
+    assert slots.state(2) is BlockState.FREE
+    slots.reserve([2])  # a dropped block's slot is reusable
 
 
-def test_full_lifecycle():
-    b = block()
-    assert b.state is BlockState.MUTABLE
-    b.commit()
-    b.register()
-    assert b.state is BlockState.REGISTERED
-    b.drop()
-    assert b.state is BlockState.DROPPED
-
-
-@pytest.mark.parametrize("steps", [[], ["commit"]])
+@pytest.mark.parametrize("steps", [["reserve"], ["reserve", "commit"]])
 def test_drop_before_register_is_allowed(steps):
-    b = block()
+    slots = SlotLifecycle(4)
     for step in steps:
-        getattr(b, step)()
-    b.drop()
-    assert b.state is BlockState.DROPPED
+        getattr(slots, step)([0, 1])
+    slots.drop([0, 1])
+    assert slots.count(BlockState.FREE) == 4
 
 
 @pytest.mark.parametrize(
     "steps, illegal",
     [
-        ([], "register"),  # register before commit
-        (["commit"], "commit"),  # commit twice
-        (["commit", "register"], "commit"),
-        (["commit", "register"], "register"),
-        (["drop"], "commit"),
-        (["drop"], "register"),
-        (["drop"], "drop"),
-        (["commit", "register", "drop"], "drop"),
+        ([], "commit"),  # nothing reserved
+        ([], "register"),
+        ([], "drop"),  # dropping what is not there
+        (["reserve"], "register"),  # register before commit
+        (["reserve"], "reserve"),  # a slot reserved twice
+        (["reserve", "commit"], "commit"),  # commit twice
+        (["reserve", "commit", "register"], "commit"),
+        (["reserve", "commit", "register"], "register"),
+        (["reserve", "commit", "register", "drop"], "drop"),
     ],
 )
-def test_illegal_transitions_raise(steps, illegal):
-    b = block()
+def test_illegal_transitions_raise_and_change_nothing(steps, illegal):
+    slots = SlotLifecycle(4)
     for step in steps:
-        getattr(b, step)()
-    before = b.state
+        getattr(slots, step)([1])
+    slots.reserve([3])  # slot 3 is MUTABLE: dropping it is legal, so a batch [3, 1] is half legal
+    companion = 3 if illegal == "drop" else 2  # slot 2 is FREE: legal for reserve only
+    before = [slots.state(s) for s in range(4)]
     with pytest.raises(BlockStateError):
-        getattr(b, illegal)()
-    assert b.state is before
+        getattr(slots, illegal)([companion, 1])
+    assert [slots.state(s) for s in range(4)] == before  # the whole batch is checked before any slot moves
+
+
+def test_lru_evicts_least_recent_and_never_a_pinned_block():
+    lru = LruIndex()
+    lru.add(["a", "b", "c"], [0, 1, 2])
+    lru.touch(["a"])
+    assert lru.pin(["b"]) == [1]
+    assert lru.pop_victim() == ("c", 2)  # b is pinned, a was touched
+    assert lru.pop_victim() == ("a", 0)
+    assert lru.pop_victim() is None  # only the pinned block is left
+    assert "b" in lru and lru.slot("b") == 1
+    lru.unpin(["b"])
+    assert lru.pop_victim() == ("b", 1)
+
+
+def test_lru_victim_search_does_not_grow_with_pinned_blocks():
+    lru = LruIndex()
+    n = 200_000
+    lru.add(range(n), range(n))
+    lru.pin(range(n - 1))  # all but the newest pinned
+    assert lru.pop_victim() == (n - 1, n - 1)  # found at once: pinned blocks are not in the eviction order

@@ -3,23 +3,27 @@
 An engine's KV pool is a list of per-layer buffers (K and V per layer for MHA,
 one latent buffer per layer for MLA) whose leading axis is token slots (or whole
 pages). :class:`PagedKvLayout` views each as ``(num_pages, page_bytes_i)`` and
-moves whole pages between the pool and a host slab whose row is one *block*: the
+moves pages between the pool and a host slab whose row is one *block*: the
 page's bytes from every buffer, back to back, padded to 4 KiB so a block can go
 to disk with O_DIRECT straight from the slab.
 
-Copies are coalesced into runs where both the page and the slot index advance
-by one, so a request's freshly allocated pages move in a few large copies.
+Every copy takes its pages and rows as index tensors (pages on the pool's
+device, rows on the host) and moves a whole batch with a few large tensor
+operations per buffer: one slice copy when both sides are contiguous runs, one
+gather and one scatter otherwise; never one call per page. On CUDA the copies
+run on a stream the caller created for its worker (:meth:`new_stream`), through
+pinned staging, and return when the bytes have landed.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Iterator, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
 BLOCK_ALIGN = 4096
-_CUDA_STAGING_BYTES = 256 << 20  # device staging per chunk when copying on CUDA
+_CUDA_STAGING_BYTES = 64 << 20  # per staging buffer of a CUDA copy
 
 
 def aligned_empty(shape: tuple[int, int], *, pin: bool = False) -> torch.Tensor:
@@ -59,34 +63,32 @@ def _pin(tensor: torch.Tensor) -> None:
     weakref.finalize(tensor, cudart.cudaHostUnregister, tensor.data_ptr())
 
 
-# Below this average run length, per-run copies cost more in calls than a gather does in bytes.
-_GATHER_BELOW_RUN_LENGTH = 8
+def index(values: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
-def _index(values: Sequence[int]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64)
-
-
-def runs(src: Sequence[int], dst: Sequence[int]) -> Iterator[tuple[int, int, int, int]]:
-    """Yield ``(i, src_start, dst_start, length)`` for maximal runs where both advance by one."""
-    n = len(src)
-    i = 0
-    while i < n:
-        j = i + 1
-        while j < n and src[j] == src[j - 1] + 1 and dst[j] == dst[j - 1] + 1:
-            j += 1
-        yield i, src[i], dst[i], j - i
-        i = j
+def _run_start(idx: torch.Tensor) -> Optional[int]:
+    """The first element when ``idx`` is one ascending run (``a, a+1, ...``), else None. Host tensors only."""
+    n = idx.numel()
+    if n == 0:
+        return None
+    first = int(idx[0])
+    return first if int(idx[-1]) - first == n - 1 and (n < 3 or bool((idx[1:] - idx[:-1] == 1).all())) else None
 
 
 class PagedKvLayout:
-    """Byte-level page access to a list of KV buffers that share a page index."""
+    """Byte-level page access to a list of KV buffers that share a page index.
+
+    ``layers[l]`` lists the buffers layer ``l`` reads (K and V for MHA, the
+    latent buffer for MLA), for loads that land one layer at a time.
+    """
 
     def __init__(
         self,
         buffers: Sequence[torch.Tensor],
         page_size: int,
         tokens_per_row: int = 1,
+        layers: Optional[Sequence[Sequence[int]]] = None,
     ) -> None:
         if not buffers:
             raise ValueError("a KV layout needs at least one buffer")
@@ -97,11 +99,11 @@ class PagedKvLayout:
         self.device = buffers[0].device
         num_pages = min(buf.shape[0] for buf in buffers) // rows_per_page
         byte_views: list[torch.Tensor] = []
-        for idx, buf in enumerate(buffers):
+        for i, buf in enumerate(buffers):
             if buf.device != self.device:
-                raise ValueError(f"KV buffer {idx} is on {buf.device}, buffer 0 on {self.device}")
+                raise ValueError(f"KV buffer {i} is on {buf.device}, buffer 0 on {self.device}")
             if not buf.is_contiguous():
-                raise ValueError(f"KV buffer {idx} is not contiguous; its pages cannot be copied as rows")
+                raise ValueError(f"KV buffer {i} is not contiguous; its pages cannot be copied as rows")
             rows = buf[: num_pages * rows_per_page]
             byte_views.append(rows.reshape(-1).view(torch.uint8).view(num_pages, -1))
         self.num_pages = num_pages
@@ -113,136 +115,166 @@ class PagedKvLayout:
         self.buffer_offsets = tuple(offsets)
         self.page_bytes = acc
         self.block_bytes = -(-acc // BLOCK_ALIGN) * BLOCK_ALIGN
+        self.layers = tuple(tuple(layer) for layer in (layers or [range(len(buffers))]))
         # Copies run on the widest word every size and offset divides: torch copies
         # strided uint8 element by element, int64 eight times faster.
         self._word = next(w for w in (8, 4, 2, 1) if all(n % w == 0 for n in (*self.buffer_page_bytes, *offsets)))
         self._wtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[self._word]
         self._views = [v.view(self._wtype) for v in byte_views]
-        self._stream: Optional[torch.cuda.Stream] = None
+        w = self._word
+        self._spans = tuple((off // w, n // w) for off, n in zip(self.buffer_offsets, self.buffer_page_bytes))
 
     @property
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
 
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
     def host_slab(self, num_blocks: int, *, pin: bool) -> torch.Tensor:
         """``num_blocks`` host rows of :attr:`block_bytes`, pinned if asked, 4 KiB-aligned (O_DIRECT)."""
         return aligned_empty((num_blocks, self.block_bytes), pin=pin)
 
-    def ready_event(self) -> Optional[torch.cuda.Event]:
-        """Mark 'KV written so far' on the current stream (CUDA); None on CPU.
+    def pages_of(self, token_slots: torch.Tensor) -> torch.Tensor:
+        """Page numbers of page-aligned token slots (on their device; no host sync)."""
+        return torch.div(token_slots[:: self.page_size], self.page_size, rounding_mode="floor")
 
-        Taken on the scheduler thread when a store is submitted: the copy waits
-        for it, so it reads the forward pass's output and never races a load.
-        """
-        if not self.is_cuda:
-            return None
-        event = torch.cuda.Event()
-        event.record()
-        return event
+    def new_stream(self) -> Optional[torch.cuda.Stream]:
+        """A copy stream for one worker (CUDA), created by the caller before the worker starts; None on CPU."""
+        return torch.cuda.Stream(device=self.device) if self.is_cuda else None
 
-    # -- device -> host (runs on the offload worker) ------------------------
+    # -- device -> host -----------------------------------------------------
 
     def save(
         self,
-        pages: Sequence[int],
+        pages: torch.Tensor,
         host: torch.Tensor,
-        slots: Sequence[int],
-        ready: Optional[torch.cuda.Event] = None,
+        rows: torch.Tensor,
+        *,
+        stream: Optional[torch.cuda.Stream] = None,
+        ready: Iterable = (),
     ) -> None:
-        """Copy device ``pages`` into host rows ``slots``; returns when the bytes are there."""
-        if len(pages) != len(slots):
-            raise ValueError(f"{len(pages)} pages for {len(slots)} slots")
+        """Copy device ``pages`` into host ``rows`` (every buffer); returns when the bytes are there.
+
+        ``ready``: events the copy waits for first (the forward that wrote the pages).
+        """
+        if pages.numel() != rows.numel():
+            raise ValueError(f"{pages.numel()} pages for {rows.numel()} rows")
+        host = host.view(self._wtype)
+        buffers = range(len(self._views))
+        if not self.is_cuda:
+            for event in ready:
+                event.synchronize()
+            self._cpu_copy(host, rows, pages, buffers, to_host=True)
+            return
+        with torch.cuda.stream(stream):
+            for event in ready:
+                torch.cuda.current_stream().wait_event(event)
+            self._cuda_save(host, rows, pages)
+            torch.cuda.current_stream().synchronize()
+
+    # -- host -> device -----------------------------------------------------
+
+    def load(self, host: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor, *, stream=None) -> None:
+        """Copy host ``rows`` into device ``pages``, every layer; returns when the bytes are there."""
+        for layer in range(self.num_layers):
+            self.load_layer(layer, host, rows, pages, stream=stream)
+
+    def load_layer(
+        self, layer: int, host: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor, *, stream=None
+    ) -> None:
+        """Copy the buffers of ``layer`` from host ``rows`` into device ``pages``; returns when they landed."""
+        if pages.numel() != rows.numel():
+            raise ValueError(f"{rows.numel()} rows for {pages.numel()} pages")
+        if rows.numel() == 0:
+            return
         host = host.view(self._wtype)
         if not self.is_cuda:
-            spans = list(runs(pages, slots))
-            if len(spans) * _GATHER_BELOW_RUN_LENGTH > len(pages):  # scattered: two vectorised copies per buffer
-                src, dst = _index(pages), _index(slots)
-                for view, off, nbytes in self._buffers():
-                    host[:, off : off + nbytes].index_copy_(0, dst, view.index_select(0, src))
-                return
-            for _, p0, s0, n in spans:
-                for view, off, nbytes in self._buffers():
-                    host[s0 : s0 + n, off : off + nbytes].copy_(view[p0 : p0 + n])
+            self._cpu_copy(host, rows, pages, self.layers[layer], to_host=False)
             return
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self.device)
-        with torch.cuda.stream(self._stream):
-            if ready is not None:
-                self._stream.wait_event(ready)
-            step = self._chunk_pages()
-            for start in range(0, len(pages), step):
-                chunk_slots = slots[start : start + step]
-                staging = self._gather(pages[start : start + step])
-                for k, s0, _, n in runs(chunk_slots, chunk_slots):
-                    host[s0 : s0 + n].copy_(staging[k : k + n], non_blocking=True)
-            self._stream.synchronize()
+        with torch.cuda.stream(stream):
+            self._cuda_load(host, rows, pages, self.layers[layer])
+            torch.cuda.current_stream().synchronize()
 
-    def _gather(self, pages: Sequence[int]) -> torch.Tensor:
-        """Device pages as contiguous block rows ``(n, block words)``, in a few launches."""
-        spans = list(runs(pages, pages))
-        if len(spans) == 1:
-            p0, n = spans[0][1], spans[0][3]
-            parts = [view[p0 : p0 + n] for view in self._views]
-        else:
-            index = torch.tensor(pages, dtype=torch.int64, device=self.device)
-            parts = [view.index_select(0, index) for view in self._views]
-        rows = torch.cat(parts, dim=1)
-        block_words = self.block_bytes // self._word
-        if rows.shape[1] == block_words:
-            return rows
-        staging = torch.empty((len(pages), block_words), dtype=self._wtype, device=self.device)
-        staging[:, : rows.shape[1]] = rows
-        return staging
+    # -- CPU: one slice copy per buffer for contiguous runs, else gather + scatter --
 
-    # -- host -> device (runs on the caller's thread, stream-ordered) --------
-
-    def load(self, slots: Sequence[int], host: torch.Tensor, pages: Sequence[int]) -> None:
-        """Copy host rows ``slots`` into device ``pages``, ordered on the current stream."""
-        if len(pages) != len(slots):
-            raise ValueError(f"{len(slots)} slots for {len(pages)} pages")
-        host = host.view(self._wtype)
-        if not self.is_cuda:
-            spans = list(runs(slots, pages))
-            if len(spans) * _GATHER_BELOW_RUN_LENGTH > len(pages):
-                rows = host.index_select(0, _index(slots))
-                dst = _index(pages)
-                for view, off, nbytes in self._buffers():
-                    view.index_copy_(0, dst, rows[:, off : off + nbytes])
-                return
-            for _, s0, p0, n in spans:
-                for view, off, nbytes in self._buffers():
-                    view[p0 : p0 + n].copy_(host[s0 : s0 + n, off : off + nbytes])
-            return
-        step = self._chunk_pages()
-        for start in range(0, len(pages), step):
-            chunk_slots = slots[start : start + step]
-            chunk_pages = pages[start : start + step]
-            staging = torch.empty((len(chunk_slots), self.block_bytes // self._word), dtype=self._wtype, device=self.device)
-            for k, s0, _, n in runs(chunk_slots, chunk_slots):
-                staging[k : k + n].copy_(host[s0 : s0 + n], non_blocking=True)
-            sources = [staging[:, off : off + nbytes] for _, off, nbytes in self._buffers()]
-            spans = list(runs(chunk_pages, chunk_pages))
-            if len(spans) == 1:  # one fused multi-tensor copy for a contiguous run of pages
-                p0, n = spans[0][1], spans[0][3]
-                torch._foreach_copy_([view[p0 : p0 + n] for view in self._views], sources)
+    def _cpu_copy(self, host, rows, pages, buffers, *, to_host: bool) -> None:
+        r0, p0 = _run_start(rows), _run_start(pages)
+        n = rows.numel()
+        for b in buffers:
+            view = self._views[b]
+            off, width = self._spans[b]
+            columns = host[:, off : off + width]
+            if r0 is not None and p0 is not None:
+                if to_host:
+                    columns[r0 : r0 + n].copy_(view[p0 : p0 + n])
+                else:
+                    view[p0 : p0 + n].copy_(columns[r0 : r0 + n])
+            elif to_host:
+                source = view[p0 : p0 + n] if p0 is not None else view.index_select(0, pages)
+                if r0 is not None:
+                    columns[r0 : r0 + n].copy_(source)
+                else:
+                    columns.index_copy_(0, rows, source)
             else:
-                index = torch.tensor(chunk_pages, dtype=torch.int64, device=self.device)
-                for view, source in zip(self._views, sources):
-                    view.index_copy_(0, index, source)
+                source = columns[r0 : r0 + n] if r0 is not None else columns.index_select(0, rows)
+                if p0 is not None:
+                    view[p0 : p0 + n].copy_(source)
+                else:
+                    view.index_copy_(0, pages, source)
+
+    # -- CUDA: gather on the device, one D2H per staging chunk; H2D through pinned staging --
+
+    def _chunk_rows(self, row_words: int) -> int:
+        return max(1, _CUDA_STAGING_BYTES // (row_words * self._word))
+
+    def _cuda_save(self, host, rows, pages) -> None:
+        words = self.page_bytes // self._word
+        step = self._chunk_rows(words)
+        pages = pages.to(self.device, non_blocking=True)
+        for start in range(0, rows.numel(), step):
+            chunk_pages = pages[start : start + step]
+            chunk_rows = rows[start : start + step]
+            gathered = torch.cat([view.index_select(0, chunk_pages) for view in self._views], dim=1)
+            r0 = _run_start(chunk_rows)
+            if r0 is not None:
+                host[r0 : r0 + chunk_rows.numel(), :words].copy_(gathered, non_blocking=True)
+                continue
+            landed = torch.empty(gathered.shape, dtype=self._wtype, pin_memory=True)
+            landed.copy_(gathered, non_blocking=True)
+            torch.cuda.current_stream().synchronize()
+            host[:, :words].index_copy_(0, chunk_rows, landed)
+
+    def _cuda_load(self, host, rows, pages, buffers) -> None:
+        spans = [self._spans[b] for b in buffers]
+        words = sum(width for _, width in spans)
+        step = self._chunk_rows(words)
+        pages = pages.to(self.device, non_blocking=True)
+        for start in range(0, rows.numel(), step):
+            chunk_rows = rows[start : start + step]
+            n = chunk_rows.numel()
+            pinned = torch.empty((n, words), dtype=self._wtype, pin_memory=True)
+            at = 0
+            for off, width in spans:  # gather this layer's columns of the rows on the host
+                torch.index_select(host[:, off : off + width], 0, chunk_rows, out=pinned[:, at : at + width])
+                at += width
+            staged = pinned.to(self.device, non_blocking=True)
+            chunk_pages = pages[start : start + step]
+            at = 0
+            for b, (_, width) in zip(buffers, spans):
+                self._views[b].index_copy_(0, chunk_pages, staged[:, at : at + width])
+                at += width
+            torch.cuda.current_stream().synchronize()  # the pinned buffer is freed after this chunk
+
+    # -- tests and tools ---------------------------------------------------------
 
     def read_page(self, page: int) -> torch.Tensor:
-        """One device page's bytes, as a block row without padding (for tests and tools)."""
+        """One device page's bytes, as a block row without padding."""
         return torch.cat([view[page].cpu().view(torch.uint8) for view in self._views])
 
     def write_page(self, page: int, data: torch.Tensor) -> None:
-        """Overwrite one device page from a row of :attr:`page_bytes` bytes (for tests and tools)."""
-        for view, off, nbytes in self._buffers():
-            view[page].copy_(data.view(self._wtype)[off : off + nbytes])
-
-    def _buffers(self) -> Iterator[tuple[torch.Tensor, int, int]]:
-        """``(view, offset, length)`` of each buffer, in words."""
-        w = self._word
-        return ((v, off // w, n // w) for v, off, n in zip(self._views, self.buffer_offsets, self.buffer_page_bytes))
-
-    def _chunk_pages(self) -> int:
-        return max(1, _CUDA_STAGING_BYTES // self.block_bytes)
+        """Overwrite one device page from a row of :attr:`page_bytes` bytes."""
+        data = data.view(self._wtype)
+        for view, (off, width) in zip(self._views, self._spans):
+            view[page].copy_(data[off : off + width])

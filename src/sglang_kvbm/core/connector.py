@@ -1,33 +1,29 @@
-"""The scheduler-side core: device pages in, blocks and events out.
+"""The scheduler-side core: offloads in, completions, loads and events out.
 
-An engine adapter (the SGLang radix cache) tells the connector four things:
-pages were stored in the device pool (:meth:`KvbmConnector.store`), pages left
-it (:meth:`~KvbmConnector.evicted`), a prefix is wanted (:meth:`~KvbmConnector.lookup`
-then :meth:`~KvbmConnector.load`), and "now is a good time" (:meth:`~KvbmConnector.poll`).
-The connector wraps each device page as a :class:`~sglang_kvbm.core.lifecycle.Block`,
-hands copies to the block manager, and turns what the lower tiers report into
-events on the sink. Everything here runs on the scheduler thread; the block
-manager does its copying elsewhere.
+An engine adapter (the SGLang linker) tells the connector four things: device
+pages should be kept (:meth:`KvbmConnector.offload`), a prefix is wanted
+(:meth:`~KvbmConnector.lookup`, then :meth:`~KvbmConnector.acquire` and
+:meth:`~KvbmConnector.release` around the copies), which offloads finished
+(:meth:`~KvbmConnector.completed_offloads`), and "now is a good time"
+(:meth:`~KvbmConnector.poll`). The block manager does the copying elsewhere
+and keeps each tier's blocks through their lifecycle; the connector reports
+completions in the order offloads were made, turns what the tiers report into
+events on the sink, and counts what KVBM's metrics count. Everything here runs
+on the scheduler thread.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
+import threading
 import time
-from typing import Callable, Optional, Sequence
+from typing import Hashable, Optional, Sequence
 
+from sglang_kvbm.core.hit_rate import DEFAULT_WINDOW, HitRateWindow
 from sglang_kvbm.core.identity import BlockId
-from sglang_kvbm.core.lifecycle import Block
-from sglang_kvbm.core.ports import (
-    BlockManager,
-    BlockMeta,
-    EventSink,
-    LoadResult,
-    PageStore,
-    TierCounts,
-    TierEventKind,
-)
+from sglang_kvbm.core.ports import BlockManager, EventSink, LoadPlan, StoreRequest, TierCounts, TierEventKind
 from sglang_kvbm.core.tiers import Tier
 
 logger = logging.getLogger(__name__)
@@ -37,8 +33,8 @@ logger = logging.getLogger(__name__)
 class ConnectorStats:
     """Counts since start (or reset), named after KVBM's metrics where one exists."""
 
-    device_blocks_registered: int = 0
-    device_blocks_dropped: int = 0
+    offloads: int = 0
+    offloads_failed: int = 0  # completed False: some page is not held below (the engine may offer it again)
     offload_blocks_d2h: int = 0  # kvbm_offload_blocks_d2h: device -> host
     offload_blocks_h2d: int = 0  # kvbm_offload_blocks_h2d: host -> disk
     offload_blocks_d2d: int = 0  # kvbm_offload_blocks_d2d: device -> disk
@@ -46,103 +42,87 @@ class ConnectorStats:
     disk_blocks_removed: int = 0
     lookups: int = 0
     lookup_hit_blocks: int = 0
-    requested_blocks: int = 0  # blocks below the device that finished requests wanted
     onboard_blocks_h2d: int = 0  # kvbm_onboard_blocks_h2d: host -> device
     onboard_blocks_d2d: int = 0  # kvbm_onboard_blocks_d2d: disk -> device
+    matched_tokens: int = 0  # kvbm_matched_tokens: tokens onboarded instead of recomputed
     failed_loads: int = 0
     skipped_by_priority: int = 0
 
 
 class KvbmConnector:
-    """Wraps an engine's device pages as blocks over a :class:`BlockManager`."""
+    """Drives a :class:`BlockManager` for one engine worker."""
 
     def __init__(
         self,
         manager: BlockManager,
         sink: EventSink,
         *,
+        page_size: int,
         min_offload_priority: int = 0,
+        hit_rate_window: int = DEFAULT_WINDOW,
     ) -> None:
         self._manager = manager
         self._sink = sink
+        self._page_size = page_size
         self._min_offload_priority = min_offload_priority
-        self._device: dict[BlockId, Block] = {}
-        # Store ticket -> what releases the device pages it reads.
-        self._pending: dict[int, Callable[[], None]] = {}
+        self._tickets: collections.deque[int] = collections.deque()  # in submission order
+        self._results: dict[int, bool] = {}
         self.stats = ConnectorStats()
+        self.hit_rates = HitRateWindow(hit_rate_window)
+        # A snapshot of the counters for other threads (the metrics endpoint), replaced
+        # whole by the scheduler thread; readers never see a structure being changed.
+        self.published: dict = {}
+        self._publish_lock = threading.Lock()
 
     @property
-    def keeps_token_ids(self) -> bool:
-        """Whether the block manager stores pages' token ids (a disk tier announces them after a restart)."""
-        return self._manager.keeps_token_ids
+    def manager(self) -> BlockManager:
+        return self._manager
 
-    # -- device tier (G1) --------------------------------------------------
+    # -- offload --------------------------------------------------------------
 
-    def holds(self, block_id: BlockId) -> bool:
-        """Whether a device page with this id is wrapped (i.e. in the device pool)."""
-        return block_id in self._device
+    def offload(self, request: StoreRequest, *, priority: int = 0) -> bool:
+        """Start keeping these device pages below; False when not taken (the engine may offer them again).
 
-    def store(
-        self,
-        pages: Sequence[PageStore],
-        *,
-        priority: int = 0,
-        on_offloaded: Callable[[], None],
-    ) -> bool:
-        """Wrap newly stored device pages as blocks and start copying them down.
-
-        ``pages`` are in prefix order, each page's parent before it. Returns True
-        when a copy is under way: the caller must keep those device pages from
-        being freed or overwritten until ``on_offloaded`` is called (from a later
-        :meth:`poll`). Returns False when nothing needs the pages.
+        When True, the engine keeps the pages unchanged until this offload is
+        reported by :meth:`completed_offloads` / :meth:`pop_completed_offload`.
         """
-        new: list[PageStore] = []
-        for page in pages:
-            if page.meta.block_id in self._device:
-                continue
-            block = Block(page.meta)
-            block.commit()  # the forward pass wrote its KV before the engine stored it
-            block.register()
-            self._device[page.meta.block_id] = block
-            new.append(page)
-        self.stats.device_blocks_registered += len(new)
-        if not new:
-            return False
         if priority < self._min_offload_priority:
-            self.stats.skipped_by_priority += len(new)
+            self.stats.skipped_by_priority += len(request.block_ids)
             return False
-        ticket = self._manager.store(new)
-        if ticket is None:
-            return False
-        self._pending[ticket] = on_offloaded
+        self._tickets.append(self._manager.store(request))
+        self.stats.offloads += 1
         return True
 
-    def loaded(self, metas: Sequence[BlockMeta]) -> None:
-        """Pages just loaded into the device pool from a lower tier: device blocks again, nothing to copy."""
-        device = self._device
-        for meta in metas:
-            if meta.block_id not in device:
-                block = Block(meta)
-                block.commit()
-                block.register()
-                device[meta.block_id] = block
-        self.stats.device_blocks_registered += len(metas)
+    def completed_offloads(self) -> int:
+        """How many of the oldest offloads have finished (polls first)."""
+        self.poll()
+        done = 0
+        for ticket in self._tickets:
+            if ticket not in self._results:
+                break
+            done += 1
+        return done
 
-    def evicted(self, block_ids: Sequence[BlockId]) -> None:
-        """The engine freed these device pages; lower-tier copies stay."""
-        for block_id in block_ids:
-            block = self._device.pop(block_id, None)
-            if block is not None:
-                block.drop()
-                self.stats.device_blocks_dropped += 1
+    def pop_completed_offload(self) -> bool:
+        """The result of the oldest finished offload: True when every page is held below."""
+        ticket = self._tickets.popleft()
+        ok = self._results.pop(ticket)
+        if not ok:
+            self.stats.offloads_failed += 1
+        return ok
 
-    # -- lower tiers -------------------------------------------------------
+    def pending_offloads(self) -> int:
+        return len(self._tickets)
 
-    def lookup(self, block_ids: Sequence[BlockId]) -> int:
-        """How many leading blocks of ``block_ids`` the lower tiers can serve now."""
+    # -- lookup and load -------------------------------------------------------
+
+    def lookup(self, request: Hashable, block_ids: Sequence[BlockId]) -> int:
+        """How many leading blocks the lower tiers can serve now (records KVBM's hit rates)."""
         if not block_ids:
             return 0
         hit = self._manager.lookup(block_ids)
+        host, lower = self._manager.peek(block_ids[:hit]) if hit else (0, 0)
+        self.hit_rates.record(request, host, lower - host, len(block_ids))
         self.stats.lookups += 1
         self.stats.lookup_hit_blocks += hit
         return hit
@@ -151,31 +131,35 @@ class KvbmConnector:
         """Leading blocks held in host, and in host or disk, right now; changes nothing."""
         return self._manager.peek(block_ids) if block_ids else (0, 0)
 
-    def load(self, block_ids: Sequence[BlockId], device_pages: Sequence[int]) -> Optional[LoadResult]:
-        """Copy all these blocks into the device pages, or none (None: recompute)."""
-        if len(block_ids) != len(device_pages):
-            raise ValueError(f"{len(block_ids)} blocks for {len(device_pages)} device pages")
-        result = self._manager.load(block_ids, device_pages)
-        if result is not None:
-            self.stats.onboard_blocks_h2d += result.host_blocks
-            self.stats.onboard_blocks_d2d += result.disk_blocks
-            return result
-        self.stats.failed_loads += 1
-        logger.info("kvbm: load of %d blocks missed; the request recomputes them", len(block_ids))
-        return None
+    def acquire(self, block_ids: Sequence[BlockId]) -> Optional[LoadPlan]:
+        """Pin every block for a load, or none (None: the engine recomputes them)."""
+        plan = self._manager.acquire(block_ids)
+        if plan is None:
+            self.stats.failed_loads += 1
+            logger.info("kvbm: load of %d blocks missed; the request recomputes them", len(block_ids))
+        return plan
 
-    def request_done(self, wanted_blocks: int) -> None:
-        """A request finished; it wanted ``wanted_blocks`` blocks beyond its device match (hit-rate denominator)."""
-        self.stats.requested_blocks += wanted_blocks
+    def release(self, plan: LoadPlan, *, landed: bool) -> None:
+        """The copies of a load are over; count it if its bytes reached the device."""
+        self._manager.release(plan)
+        if landed:
+            self.stats.onboard_blocks_h2d += plan.host_blocks
+            self.stats.onboard_blocks_d2d += plan.disk_blocks
+            self.stats.matched_tokens += (plan.host_blocks + plan.disk_blocks) * self._page_size
+        else:
+            self.stats.failed_loads += 1
+
+    def cancel(self, plan: LoadPlan) -> None:
+        """A load that will not run (its request went away, or the cache was reset): unpin, count nothing."""
+        self._manager.release(plan, reused=False)
 
     def counts(self) -> tuple[TierCounts, ...]:
-        device = TierCounts(Tier.DEVICE, len(self._device), -1)
-        return (device, *self._manager.counts())
+        return self._manager.counts()
 
-    # -- housekeeping ------------------------------------------------------
+    # -- housekeeping ------------------------------------------------------------
 
     def poll(self) -> None:
-        """Publish what the lower tiers finished and release device pages they no longer read."""
+        """Publish what the lower tiers did and collect finished offloads."""
         result = self._manager.poll()
         stats = self.stats
         for event in result.events:
@@ -194,19 +178,27 @@ class KvbmConnector:
                     stats.host_blocks_removed += n
                 else:
                     stats.disk_blocks_removed += n
-        for ticket in result.completed:
-            release = self._pending.pop(ticket, None)
-            if release is not None:
-                release()
+        for ticket, ok in result.completed:
+            self._results[ticket] = ok
 
-    def has_pending(self) -> bool:
-        return bool(self._pending)
+    def publish(self, extra: dict) -> None:
+        """Replace the snapshot other threads read (counters, rates, occupancy, plus ``extra``)."""
+        snapshot = {
+            "stats": dataclasses.asdict(self.stats),
+            "host_hit_rate": self.hit_rates.host_rate,
+            "disk_hit_rate": self.hit_rates.disk_rate,
+            "tiers": {c.tier.name.lower(): (c.blocks, c.capacity) for c in self.counts()},
+            **extra,
+        }
+        with self._publish_lock:
+            self.published = snapshot
 
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until no copy is under way (including the ones finishing copies start), polling.
+    def snapshot(self) -> dict:
+        with self._publish_lock:
+            return self.published
 
-        For shutdown, tests and tools; never on the scheduler's hot path.
-        """
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until no copy is under way, including those finished copies start (shutdown, tests, tools)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -214,20 +206,15 @@ class KvbmConnector:
             self.poll()
             if not done:
                 return False
-            if self._manager.wait(0) and not self._manager.in_flight():
+            if not self._manager.busy():
                 return True
 
     def reset(self) -> None:
-        """Forget the device pool and every lower tier (the engine cleared its cache).
-
-        Pending releases are dropped, not called: they belong to the tree the
-        engine just threw away, and its pages were freed with it.
-        """
-        for block in self._device.values():
-            block.drop()
-        self._device.clear()
-        self._pending.clear()
+        """Forget every lower tier (the engine cleared its cache). Pending offloads are the engine's to drop."""
         self._manager.reset()
+        self._tickets.clear()
+        self._results.clear()
+        self.hit_rates.clear()
 
     def close(self) -> None:
         self._manager.close()

@@ -1,29 +1,32 @@
-"""The block lifecycle every tier follows, as KVBM defines it.
+"""The block lifecycle every tier follows, as KVBM defines it, kept per slot.
 
-A block is one fixed-size page of KV in one tier::
+A block is one fixed-size page of KV in one slot of one tier (a host row, a
+disk slot)::
 
-    MUTABLE --commit--> COMMITTED --register--> REGISTERED
-       |                    |                       |
-       +--------------------+-------drop------------+--> DROPPED
+    FREE --reserve--> MUTABLE --commit--> COMMITTED --register--> REGISTERED
+      ^                  |                    |                       |
+      +------------------+--------drop--------+-----------------------+
 
-* ``MUTABLE``: the tier has set aside room for the page; its bytes are not
+* ``MUTABLE``: the tier has set the slot aside for a page; its bytes are not
   (all) there yet. Nobody may read it.
 * ``COMMITTED``: the bytes are written and the identity is fixed.
 * ``REGISTERED``: published: lookups may return it, events announce it, and it
   may be offloaded to the tier below.
-* ``DROPPED``: the tier let it go (evicted, failed, reset). Terminal.
+* ``drop``: the tier let the block go (evicted, failed, reset); the slot is free.
 
-A failed copy drops a block before it was ever registered, so a page that
-did not arrive whole is never visible. Every other transition raises
-:class:`BlockStateError`: a wrong transition is a bug in the caller, and is
-reported where it happens rather than later as wrong KV.
+A failed copy drops a block before it was ever registered, so a page that did
+not arrive whole is never visible. Every other transition raises
+:class:`BlockStateError`: a wrong transition is a bug in the caller, reported
+where it happens rather than later as wrong KV.
+
+Transitions take a batch of slots (a copy moves many pages at once) and check
+the whole batch before changing any of it.
 """
 
 from __future__ import annotations
 
 import enum
-
-from sglang_kvbm.core.ports import BlockMeta
+from typing import Sequence
 
 
 class BlockStateError(RuntimeError):
@@ -31,43 +34,54 @@ class BlockStateError(RuntimeError):
 
 
 class BlockState(enum.IntEnum):
-    MUTABLE = 0
-    COMMITTED = 1
-    REGISTERED = 2
-    DROPPED = 3
+    FREE = 0
+    MUTABLE = 1
+    COMMITTED = 2
+    REGISTERED = 3
 
 
-class Block:
-    """One page in one tier, with its lifecycle state."""
+class SlotLifecycle:
+    """The :class:`BlockState` of each of ``num_slots`` slots."""
 
-    __slots__ = ("meta", "state")
+    def __init__(self, num_slots: int) -> None:
+        self._state = bytearray(num_slots)
 
-    def __init__(self, meta: BlockMeta) -> None:
-        self.meta = meta
-        self.state = BlockState.MUTABLE
+    def __len__(self) -> int:
+        return len(self._state)
 
-    @property
-    def block_id(self) -> str:
-        return self.meta.block_id
+    def state(self, slot: int) -> BlockState:
+        return BlockState(self._state[slot])
 
-    def commit(self) -> None:
-        self._move(BlockState.MUTABLE, BlockState.COMMITTED)
+    def count(self, state: BlockState) -> int:
+        return self._state.count(state)
 
-    def register(self) -> None:
-        self._move(BlockState.COMMITTED, BlockState.REGISTERED)
+    def reserve(self, slots: Sequence[int]) -> None:
+        self._move(slots, BlockState.FREE, BlockState.MUTABLE)
 
-    def drop(self) -> None:
-        if self.state is BlockState.DROPPED:
-            raise BlockStateError(f"block {self.block_id[:16]} dropped twice")
-        self.state = BlockState.DROPPED
+    def commit(self, slots: Sequence[int]) -> None:
+        self._move(slots, BlockState.MUTABLE, BlockState.COMMITTED)
 
-    def _move(self, expected: BlockState, to: BlockState) -> None:
-        if self.state is not expected:
+    def register(self, slots: Sequence[int]) -> None:
+        self._move(slots, BlockState.COMMITTED, BlockState.REGISTERED)
+
+    def drop(self, slots: Sequence[int]) -> None:
+        """Free the slots of blocks in any state but FREE (dropping twice is a bug)."""
+        states = bytes(map(self._state.__getitem__, slots))
+        if states.count(BlockState.FREE):
+            slot = next(s for s in slots if self._state[s] == BlockState.FREE)
+            raise BlockStateError(f"slot {slot}: dropped a block that is not there (already FREE)")
+        for slot in slots:
+            self._state[slot] = BlockState.FREE
+
+    def drop_all(self) -> None:
+        self._state = bytearray(len(self._state))
+
+    def _move(self, slots: Sequence[int], expected: BlockState, to: BlockState) -> None:
+        states = bytes(map(self._state.__getitem__, slots))
+        if states.count(expected) != len(states):
+            slot = next(s for s in slots if self._state[s] != expected)
             raise BlockStateError(
-                f"block {self.block_id[:16]}: cannot go {self.state.name} -> {to.name} "
-                f"(only from {expected.name})"
+                f"slot {slot}: cannot go {BlockState(self._state[slot]).name} -> {to.name} (only from {expected.name})"
             )
-        self.state = to
-
-    def __repr__(self) -> str:
-        return f"Block({self.block_id[:16]}, {self.state.name})"
+        for slot in slots:
+            self._state[slot] = to

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.tiers import Tier
@@ -18,8 +18,8 @@ from sglang_kvbm.core.tiers import Tier
 class EventIdentity:
     """How KV events name a page: Dynamo's router links blocks by these ids.
 
-    The adapter fills this from the engine's own event code, so a page carries
-    the same ``block_hash`` in every tier it is published from.
+    The adapter computes these with the engine's own event code, so a page
+    carries the same ``block_hash`` in every tier it is published from.
     """
 
     block_hash: int
@@ -30,19 +30,32 @@ class EventIdentity:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlockMeta:
-    """Everything a tier keeps about a page besides its bytes."""
+    """Everything a tier keeps about a page besides its bytes.
+
+    ``parent_id`` is the block id of the page before it in its sequence (None
+    for a first page): a block is only worth holding if its parent is held too.
+    """
 
     block_id: BlockId
-    token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...] = ()
     event: Optional[EventIdentity] = None
+    parent_id: Optional[BlockId] = None
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class PageStore:
-    """A device page to wrap as a block (and copy down)."""
+@dataclasses.dataclass(frozen=True)
+class StoreRequest:
+    """Device pages to copy down, one block id per page, in prefix order.
 
-    meta: BlockMeta
-    device_page: int
+    ``pages`` is the engine's handle on the device pages (for SGLang, the node's
+    token slots); ``ready`` what a copy must wait for before it reads them (the
+    forward's CUDA events). ``describe(positions)`` builds the metas of the pages
+    at those positions; it runs on a copy thread, never the scheduler's.
+    """
+
+    block_ids: tuple[BlockId, ...]
+    pages: Any
+    describe: Callable[[Sequence[int]], list[BlockMeta]]
+    ready: tuple = ()
 
 
 class TierEventKind(enum.Enum):
@@ -64,16 +77,8 @@ class TierEvent:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class LoadResult:
-    """Where the blocks of a successful load came from."""
-
-    host_blocks: int
-    disk_blocks: int
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
 class PollResult:
-    completed: tuple[int, ...]  # store tickets whose device pages may now be released
+    completed: tuple[tuple[int, bool], ...]  # (store ticket, every page now held below the device)
     events: tuple[TierEvent, ...]
 
 
@@ -86,44 +91,53 @@ class TierCounts:
     capacity: int
 
 
+class LoadPlan(Protocol):
+    """Blocks pinned for one load: what the copies read, until released."""
+
+    host_blocks: int
+    disk_blocks: int
+
+
 class BlockManager(Protocol):
-    """The tiers below SGLang's device pool (G2 host, G3 disk).
+    """The tiers below the engine's device pool (G2 host, G3 disk).
 
     Contract, for every implementation:
 
-    * :meth:`store` starts copying device pages down and returns at once with a
-      ticket, or None when nothing was submitted (every page already held, or
-      no room). The caller keeps the device pages unchanged until the ticket is
-      reported by :meth:`poll`. Pages are taken in order; once one cannot be
-      stored, none after it is (a block without its parent can never be hit).
-    * A block is visible to :meth:`lookup` and :meth:`load` only once its bytes
-      are completely there; a ``STORED`` event reports it exactly then. A failed
-      copy is never visible and never announced.
-    * :meth:`lookup` counts how many leading ids of a prefix the tiers can serve
-      now. It takes no reservation: :meth:`load` checks again.
-    * :meth:`peek` answers, changing nothing (no LRU touch, no policy), how many
-      leading ids are in the host tier, and how many in host or disk.
-    * :meth:`load` copies *all* the named blocks into the device pages or none,
-      and returns None for none. Bytes that cannot be proven intact are a miss.
-      When it returns, the device pages hold the KV (stream-ordered on CUDA).
-    * :meth:`poll` never blocks. It returns the finished store tickets and the
-      tier events since the previous call.
-    * :meth:`wait` blocks until every copy submitted so far has finished, and
-      :meth:`in_flight` counts those not yet reported by :meth:`poll` (for
-      shutdown and tests; the scheduler never calls them).
+    * :meth:`store` starts copying device pages down and returns a ticket at
+      once. The caller keeps those device pages unchanged until :meth:`poll`
+      reports the ticket. Pages already held are not copied again. A ticket
+      completes ``True`` only when every page of the request is held below.
+    * A block is visible to :meth:`lookup` and :meth:`acquire` only once its
+      bytes are completely there; a ``STORED`` event reports it exactly then.
+      A failed copy is never visible and never announced. A block whose parent
+      is held nowhere below is not kept (it could never be hit).
+    * :meth:`lookup` counts how many leading ids the tiers can serve now, and
+      may start reading disk-resident ones into host staging. It reserves
+      nothing: :meth:`acquire` checks again.
+    * :meth:`peek` answers, changing nothing, how many leading ids are in the
+      host tier, and how many in host or disk.
+    * :meth:`acquire` pins *all* the named blocks for a load, or none (None).
+      Disk bytes are read and verified before it returns; bytes that cannot be
+      proven intact are a miss (and dropped, with their ``REMOVED`` event).
+      :meth:`release` unpins them once the copies are done (``reused``: the
+      load ran, which counts as a use of the blocks).
+    * :meth:`poll` never blocks. It returns the finished store tickets, in
+      submission order, and the tier events since the previous call.
+    * :meth:`wait` waits for the copies submitted so far and :meth:`busy` says
+      whether any is under way (shutdown, tests, tools; never the hot path).
     * :meth:`reset` forgets every block without announcing removals (the caller
       publishes one ``AllBlocksCleared``); work in flight is discarded when it ends.
     """
 
-    keeps_token_ids: bool  # whether stored blocks need their token ids (e.g. announced again after a restart)
-
-    def store(self, pages: Sequence[PageStore]) -> Optional[int]: ...
+    def store(self, request: StoreRequest) -> int: ...
 
     def lookup(self, block_ids: Sequence[BlockId]) -> int: ...
 
     def peek(self, block_ids: Sequence[BlockId]) -> tuple[int, int]: ...
 
-    def load(self, block_ids: Sequence[BlockId], device_pages: Sequence[int]) -> Optional[LoadResult]: ...
+    def acquire(self, block_ids: Sequence[BlockId]) -> Optional[LoadPlan]: ...
+
+    def release(self, plan: LoadPlan, *, reused: bool = True) -> None: ...
 
     def poll(self) -> PollResult: ...
 
@@ -131,7 +145,7 @@ class BlockManager(Protocol):
 
     def wait(self, timeout: Optional[float] = None) -> bool: ...
 
-    def in_flight(self) -> int: ...
+    def busy(self) -> bool: ...
 
     def reset(self) -> None: ...
 

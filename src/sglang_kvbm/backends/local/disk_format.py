@@ -25,7 +25,7 @@ from sglang_kvbm.core.ports import BlockMeta, EventIdentity
 HEADER_BYTES = 4096
 MAGIC = b"SGKVBM\x00\x01"
 _PREFIX = struct.Struct("<8sIQ")  # magic, payload length, payload xxh3-64
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: headers carry the parent's block id
 
 
 class BlockHeader(msgspec.Struct, array_like=True, frozen=True):
@@ -37,6 +37,7 @@ class BlockHeader(msgspec.Struct, array_like=True, frozen=True):
     event_parent: Optional[int] = None
     cache_salt: Optional[str] = None
     lora_name: Optional[str] = None
+    parent_id: Optional[str] = None
 
     @classmethod
     def of(cls, meta: BlockMeta, checksum: int, fingerprint: bytes) -> "BlockHeader":
@@ -50,13 +51,14 @@ class BlockHeader(msgspec.Struct, array_like=True, frozen=True):
             None if ev is None else ev.parent_block_hash,
             None if ev is None else ev.cache_salt,
             None if ev is None else ev.lora_name,
+            meta.parent_id,
         )
 
     def meta(self) -> BlockMeta:
         event = None
         if self.event_hash is not None:
             event = EventIdentity(self.event_hash, self.event_parent, self.cache_salt, self.lora_name)
-        return BlockMeta(self.block_id, tuple(self.token_ids), event)
+        return BlockMeta(self.block_id, tuple(self.token_ids), event, self.parent_id)
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -1,170 +1,163 @@
-"""G2: a fixed slab of host rows, one block per row, LRU among registered blocks.
+"""Host rows holding blocks: the G2 tier, and the staging rows disk reads land in.
 
-Only the scheduler thread calls this class. The offload worker writes the rows
-of blocks that are still ``MUTABLE`` and nothing else; a row is reused only
-after its block was dropped *and* no copy can still be writing it.
+A fixed slab of rows, one block per row, each row following the block
+lifecycle (:class:`~sglang_kvbm.core.lifecycle.SlotLifecycle`); registered
+blocks are kept in LRU order (:class:`~sglang_kvbm.core.lru.LruIndex`). Only
+the scheduler thread calls this class. Copy threads write the rows of
+``MUTABLE`` blocks and read the rows of pinned ones, nothing else; a row is
+reused only after its block was dropped *and* no copy can still use it.
 """
 
 from __future__ import annotations
 
-import logging
-from collections import OrderedDict
 from typing import Optional, Sequence
 
 import torch
 
 from sglang_kvbm.core.identity import BlockId
-from sglang_kvbm.core.lifecycle import Block, BlockState
+from sglang_kvbm.core.lifecycle import BlockState, SlotLifecycle
+from sglang_kvbm.core.lru import LruIndex
 from sglang_kvbm.core.ports import BlockMeta
-
-logger = logging.getLogger(__name__)
-
-Reserved = tuple[int, Block]  # (row, block)
 
 
 class HostBlockPool:
-    """Host rows holding blocks; registered ones are kept in LRU order."""
+    """Rows of a host slab; registered blocks are found by id and evicted least recently used first."""
 
     def __init__(self, slab: torch.Tensor) -> None:
         self.slab = slab
         self.capacity = slab.shape[0]
-        # Popped from the end, so rows are handed out in ascending order and a
-        # burst of stores lands in contiguous rows (fewer, larger copies).
+        self.rows_state = SlotLifecycle(self.capacity)
+        # Popped from the end: rows go out in ascending order, so a burst of
+        # stores lands in contiguous rows (fewer, larger copies).
         self._free: list[int] = list(range(self.capacity - 1, -1, -1))
-        self._registered: OrderedDict[BlockId, Reserved] = OrderedDict()  # first = least recent
-        self._inflight: dict[BlockId, Reserved] = {}
-        # Registered blocks a disk write is reading: not evictable until unpinned.
-        self._pins: dict[BlockId, int] = {}
-        self._orphans: set[int] = set()  # rows of forgotten blocks a disk write still reads
+        self._index = LruIndex()
+        self._inflight: dict[BlockId, int] = {}
+        self._metas: list[Optional[BlockMeta]] = [None] * self.capacity
+        self._orphans: set[int] = set()  # rows of forgotten blocks a copy still reads
 
     def __len__(self) -> int:
-        return len(self._registered)
+        return len(self._index)
 
     def holds(self, block_id: BlockId) -> bool:
-        """Registered, or on its way (a copy is in flight)."""
-        return block_id in self._registered or block_id in self._inflight
+        """Registered, or on its way (a copy is writing it)."""
+        return block_id in self._index or block_id in self._inflight
 
-    def reserve(self, metas: Sequence[BlockMeta]) -> tuple[list[Reserved], list[BlockMeta]]:
-        """Set aside a row for each block, in order, evicting least-recent registered blocks.
+    def registered(self, block_id: BlockId) -> bool:
+        return block_id in self._index
 
-        Returns the reserved ``(row, block)`` pairs (a prefix of ``metas``: it
-        stops at the first block that finds no row) and the metas of the blocks
-        evicted to make room.
+    def rows(self, block_ids: Sequence[BlockId]) -> list[Optional[int]]:
+        """The row of each registered block (None where not registered)."""
+        return self._index.slots(block_ids)
+
+    def reserve(self, block_ids: Sequence[BlockId]) -> tuple[list[int], list[BlockMeta]]:
+        """Set aside a row for each block, in order, evicting least recently used ones.
+
+        Returns the rows (one per leading block that found one; the rest found
+        none) and the metas of the blocks evicted to make room.
         """
-        reserved: list[Reserved] = []
         evicted: list[BlockMeta] = []
-        for meta in metas:
-            if not self._free:
-                victim_id = next((bid for bid in self._registered if bid not in self._pins), None)
-                if victim_id is None:
-                    break
-                row, victim = self._registered.pop(victim_id)
-                victim.drop()
-                evicted.append(victim.meta)
-                self._free.append(row)
-            row = self._free.pop()
-            block = Block(meta)
-            self._inflight[meta.block_id] = (row, block)
-            reserved.append((row, block))
-        return reserved, evicted
+        need = len(block_ids)
+        while len(self._free) < need:
+            victim = self._index.pop_victim()
+            if victim is None:
+                break
+            row = victim[1]
+            self.rows_state.drop([row])
+            evicted.append(self._metas[row])
+            self._metas[row] = None
+            self._free.append(row)
+        take = min(need, len(self._free))
+        if not take:
+            return [], evicted
+        rows = self._free[-take:][::-1]
+        del self._free[-take:]
+        self.rows_state.reserve(rows)
+        self._inflight.update(zip(block_ids[:take], rows))
+        return rows, evicted
 
-    def commit(self, reserved: Sequence[Reserved]) -> list[BlockMeta]:
-        """The rows hold the bytes: commit and register the blocks; returns their metas.
+    def commit(self, metas: Sequence[BlockMeta], rows: Sequence[int]) -> None:
+        """The rows hold the bytes: commit and register the blocks.
 
         Registered children-first, so a prefix's first block is the most recent
         and eviction takes a chain from its tail.
         """
-        for row, block in reversed(reserved):
-            self._inflight.pop(block.block_id, None)
-            block.commit()
-            block.register()
-            self._registered[block.block_id] = (row, block)
-        return [block.meta for _, block in reserved]
+        for meta in metas:
+            self._inflight.pop(meta.block_id, None)
+        self.rows_state.commit(rows)
+        self.rows_state.register(rows)
+        for meta, row in zip(metas, rows):
+            self._metas[row] = meta
+        self._index.add((m.block_id for m in reversed(metas)), reversed(rows))
 
-    def abort(self, reserved: Sequence[Reserved]) -> None:
+    def abort(self, block_ids: Sequence[BlockId], rows: Sequence[int]) -> None:
         """A copy failed or was discarded: drop its blocks and give their rows back."""
-        for row, block in reserved:
-            if self._inflight.get(block.block_id, (None, None))[1] is block:
-                del self._inflight[block.block_id]
-            if block.state is not BlockState.DROPPED:
-                block.drop()
-            self._free.append(row)
+        for block_id, row in zip(block_ids, rows):
+            if self._inflight.get(block_id) == row:
+                del self._inflight[block_id]
+        live = [row for row in rows if row not in self._orphans and self.rows_state.state(row) is BlockState.MUTABLE]
+        self.rows_state.drop(live)
+        self._free.extend(live)
+        self.release_orphans(rows)
 
-    def lookup(self, block_ids: Sequence[BlockId]) -> int:
-        """Leading registered blocks of ``block_ids``; marks them most recently used."""
-        hit = 0
+    def remove(self, block_ids: Sequence[BlockId]) -> list[BlockMeta]:
+        """Drop registered blocks (not pinned ones) whose bytes must not be served; returns their metas."""
+        removed = []
         for block_id in block_ids:
-            if block_id not in self._registered:
-                break
-            hit += 1
-        self.touch(block_ids[:hit])
-        return hit
-
-    def registered(self, block_id: BlockId) -> bool:
-        return block_id in self._registered
+            if self._index.pinned(block_id):
+                continue
+            row = self._index.remove(block_id)
+            if row is None:
+                continue
+            self.rows_state.drop([row])
+            removed.append(self._metas[row])
+            self._metas[row] = None
+            self._free.append(row)
+        return removed
 
     def touch(self, block_ids: Sequence[BlockId]) -> None:
-        for block_id in reversed(block_ids):
-            if block_id in self._registered:
-                self._registered.move_to_end(block_id)
+        self._index.touch(block_ids)
 
     def pin(self, block_ids: Sequence[BlockId]) -> list[int]:
         """Keep registered blocks from eviction while something reads their rows; returns the rows."""
-        rows = []
-        for block_id in block_ids:
-            rows.append(self._registered[block_id][0])
-            self._pins[block_id] = self._pins.get(block_id, 0) + 1
-        return rows
+        return self._index.pin(block_ids)
 
     def unpin(self, block_ids: Sequence[BlockId]) -> None:
-        for block_id in block_ids:
-            left = self._pins.get(block_id, 0) - 1
-            if left > 0:
-                self._pins[block_id] = left
-            else:
-                self._pins.pop(block_id, None)
-
-    def row_of(self, block_id: BlockId) -> Optional[int]:
-        entry = self._registered.get(block_id)
-        return None if entry is None else entry[0]
+        self._index.unpin(block_ids)
 
     def meta_of(self, block_id: BlockId) -> BlockMeta:
-        return self._registered[block_id][1].meta
+        return self._metas[self._index.slot(block_id)]
 
-    def rows_of(self, block_ids: Sequence[BlockId]) -> Optional[list[int]]:
-        """Rows of these blocks if every one is registered, else None."""
-        rows = []
-        for block_id in block_ids:
-            entry = self._registered.get(block_id)
-            if entry is None:
-                return None
-            rows.append(entry[0])
-        return rows
+    def metas(self) -> list[BlockMeta]:
+        return [self._metas[row] for _, row in self._index.items()]
 
     def forget(self) -> None:
-        """Drop every block. Rows being copied (in either direction) stay taken until their copy ends."""
-        for block_id, (row, block) in self._registered.items():
-            block.drop()
-            if block_id in self._pins:
-                self._orphans.add(row)  # a disk write still reads it: see release_orphans()
+        """Drop every block. Rows a copy still uses (pinned, or being written) stay taken until it ends."""
+        for block_id, row in self._index.items():
+            self._metas[row] = None
+            if self._index.pinned(block_id):
+                self._orphans.add(row)  # a disk write or a load still reads it: see release_orphans()
             else:
+                self.rows_state.drop([row])
                 self._free.append(row)
-        self._registered.clear()
-        self._pins.clear()
-        for _, block in self._inflight.values():
-            block.drop()
+        self._index.clear()
+        self._orphans.update(self._inflight.values())
         self._inflight.clear()
 
     def release_orphans(self, rows: Sequence[int]) -> None:
-        """A disk write that started before :meth:`forget` finished: its rows are free now."""
+        """A copy that started before :meth:`forget` ended: its rows are free now."""
         for row in rows:
             if row in self._orphans:
                 self._orphans.discard(row)
+                self.rows_state.drop([row])
                 self._free.append(row)
 
-    def inflight_rows(self) -> int:
-        """Rows a copy is still writing (including ones orphaned by a reset)."""
-        return len(self._inflight) + len(self._orphans)
-
-    def free_rows(self) -> int:
-        return len(self._free)
+    def accounting(self) -> dict:
+        """Where every row is (for ``/stats`` and the soak test's bookkeeping check)."""
+        return {
+            "capacity": self.capacity,
+            "registered": len(self._index),
+            "pinned": sum(1 for b, _ in self._index.items() if self._index.pinned(b)),
+            "free": len(self._free),
+            "in_flight": len(self._inflight),
+            "orphaned": len(self._orphans),
+        }

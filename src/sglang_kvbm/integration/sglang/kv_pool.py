@@ -26,9 +26,11 @@ def paged_layout(kvcache: KVCache, page_size: int) -> PagedKvLayout:
                 "drop --kv-cache-dtype or use another cache backend"
             )
         tokens_per_row = 1 if kvcache.kv_cache_layout == "nhd" else page_size
-        return PagedKvLayout(list(kvcache.k_buffer) + list(kvcache.v_buffer), page_size, tokens_per_row)
+        n = len(kvcache.k_buffer)
+        layers = [(layer, n + layer) for layer in range(n)]  # layer l reads K buffer l and V buffer l
+        return PagedKvLayout(list(kvcache.k_buffer) + list(kvcache.v_buffer), page_size, tokens_per_row, layers)
     if kind is MLATokenToKVPool:
-        return PagedKvLayout(list(kvcache.kv_buffer), page_size, 1)
+        return PagedKvLayout(list(kvcache.kv_buffer), page_size, 1, [(layer,) for layer in range(len(kvcache.kv_buffer))])
     raise UnsupportedPoolError(
         f"--radix-cache-backend kvbm supports MHATokenToKVPool and MLATokenToKVPool; "
         f"this model uses {kind.__name__} (hybrid, sliding-window, state-space and quantized "

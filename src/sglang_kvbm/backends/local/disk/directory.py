@@ -1,0 +1,85 @@
+"""The disk tier's directory: one per server identity, locked while a server uses it.
+
+``<DYN_KVBM_DISK_CACHE_DIR>/sglang-kvbm-<identity>/`` holds one identity's
+segment files and index. A server restarted with the same identity finds its
+directory again (a warm start); a second live server with the same identity
+gets a private directory and starts cold; directories of other identities that
+no live server holds are removed at start-up. Everything is created 0700 / 0600,
+and a directory others can write is refused.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import IO
+
+from sglang_kvbm.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+DIR_PREFIX = "sglang-kvbm-"
+
+
+def identity_dir(root: str | Path, fingerprint: bytes) -> Path:
+    return Path(root) / (DIR_PREFIX + fingerprint.hex()[:16])
+
+
+def existing_bytes(root: str | Path, fingerprint: bytes) -> int:
+    """Disk space an earlier run with this identity already holds (reused, not needed again)."""
+    path = identity_dir(root, fingerprint)
+    if not path.is_dir():
+        return 0
+    return sum(f.stat().st_size for f in path.glob("seg-*.kv"))
+
+
+def _open_lock(directory: Path) -> IO:
+    """The directory's lock file, created 0600 like every file of the disk tier."""
+    return os.fdopen(os.open(directory / "lock", os.O_RDWR | os.O_CREAT, 0o600), "r+")
+
+
+def claim(root: Path, fingerprint: bytes) -> tuple[Path, IO, bool]:
+    """This identity's directory, locked for this process, and whether it is a warm start."""
+    path = identity_dir(root, fingerprint)
+    path.mkdir(mode=0o700, exist_ok=True)
+    stat = path.stat()
+    if stat.st_uid != os.getuid() or stat.st_mode & 0o022:
+        raise ConfigError(
+            f"DYN_KVBM_DISK_CACHE_DIR: {path} is writable by others or not owned by this user; "
+            f"remove it (sglang-kvbm creates it 0700) or point DYN_KVBM_DISK_CACHE_DIR elsewhere"
+        )
+    lock = _open_lock(path)
+    warm = True
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        logger.warning(
+            "kvbm: %s is in use by another live server with the same identity; "
+            "this server uses a private directory and starts with an empty disk tier",
+            path,
+        )
+        path = path.with_name(f"{path.name}-{os.getpid()}")
+        path.mkdir(mode=0o700, exist_ok=True)
+        lock = _open_lock(path)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        warm = False
+    reclaim_stale(root, keep=path)
+    return path, lock, warm
+
+
+def reclaim_stale(root: Path, keep: Path) -> None:
+    """Remove directories of other identities that no live server holds."""
+    for other in root.glob(DIR_PREFIX + "*"):
+        if other == keep or not other.is_dir() or not (other / "lock").exists():
+            continue
+        try:
+            with _open_lock(other) as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if a live server holds it
+                shutil.rmtree(other)
+            logger.info("kvbm: reclaimed %s, a disk cache of another server identity that no server holds", other)
+        except (BlockingIOError, OSError):
+            continue

@@ -1,0 +1,227 @@
+"""G3: blocks in preallocated files on local disk, moved through NIXL's POSIX backend.
+
+The facade over the disk tier's parts: the identity directory (``directory``),
+segment files (``segments``), the slot index (``slot_index``), the index
+journal (``journal``) and NIXL I/O (``nixl_io``). Bookkeeping (reserve, commit,
+invalidate, lookups) belongs to the scheduler thread; :meth:`DiskStore.write`
+runs on the one disk writer thread and :meth:`DiskStore.read` on the one disk
+reader thread, each with staging buffers of its own.
+
+Fail closed: a read is verified (header and checksum, see ``disk_format``) in
+host memory before one byte can reach the device. A block that fails is
+invalidated and reported; the caller turns it into a miss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+
+from sglang_kvbm.backends.local.disk import directory as identity_dir
+from sglang_kvbm.backends.local.disk.journal import IndexJournal
+from sglang_kvbm.backends.local.disk.nixl_io import DiskIOError, NixlFileIO
+from sglang_kvbm.backends.local.disk.segments import SegmentFiles
+from sglang_kvbm.backends.local.disk.slot_index import DiskSlotIndex
+from sglang_kvbm.backends.local.disk.block_io import DiskStats, read_blocks, write_blocks
+from sglang_kvbm.backends.local.disk_format import HEADER_BYTES, BlockHeader
+from sglang_kvbm.backends.local.disk_setup import DiskProbe
+from sglang_kvbm.core.identity import BlockId
+from sglang_kvbm.core.lifecycle import BlockState
+from sglang_kvbm.core.ports import BlockMeta
+from sglang_kvbm.kv_layout import aligned_empty
+
+logger = logging.getLogger(__name__)
+
+WRITE_CHUNK_BLOCKS = 32  # blocks per NIXL write; writes keep two chunks in flight
+READ_CHUNK_BYTES = 8 << 20  # per NIXL read; reads keep two chunks in flight
+
+
+class Reservation(NamedTuple):
+    block_id: BlockId
+    slot: int
+    generation: int
+
+
+class DiskEntry(NamedTuple):
+    slot: int
+    header: BlockHeader
+
+
+class DiskStore:
+    """Fixed-slot block storage in segment files, with an LRU index of registered blocks."""
+
+    def __init__(
+        self, *, probe: DiskProbe, num_slots: int, block_bytes: int, fingerprint: bytes, page_size: int
+    ) -> None:
+        if num_slots <= 0:
+            raise ValueError(f"num_slots must be positive, got {num_slots}")
+        self.block_bytes = block_bytes
+        self.header_bytes = self.header_bytes_for(page_size)
+        self.slot_bytes = self.header_bytes + block_bytes
+        self.num_slots = num_slots
+        self.fingerprint = fingerprint
+        self.o_direct = probe.o_direct
+        self.stats = DiskStats()
+        self.io = NixlFileIO("sglang-kvbm-disk")
+        self.directory, self._lock_file, warm = identity_dir.claim(probe.directory, fingerprint)
+        self.segments = SegmentFiles(
+            self.directory, num_slots, self.slot_bytes, o_direct=probe.o_direct, preallocate=probe.preallocate, io=self.io
+        )
+        self._index = DiskSlotIndex(num_slots)
+        self._journal = IndexJournal(self.directory, fingerprint, block_bytes, num_slots)
+        restored = 0
+        for slot, header in self._journal.load() if warm else ():
+            if self.segments.usable(slot):
+                self._index.restore(slot, header)
+                restored += 1
+        taken = {slot for slot, _ in self._index.entries()}
+        self._index.set_free([s for s in self.segments.live_slots() if s not in taken])
+        if restored:
+            logger.info("kvbm: disk tier restored %d blocks from %s (each is verified when read)", restored, self.directory)
+        self._journal.open()
+        self._journal.snapshot(self._index.entries())  # compact what was restored; the journal starts empty
+        self._holds: dict[int, tuple] = {}  # reservation slot -> segments held by its write
+        self._retired: list[BlockMeta] = []
+        self._owners: dict[str, int] = {}  # "write"/"read" -> the one thread allowed to use its buffers
+        self._write_headers = aligned_empty((2 * WRITE_CHUNK_BLOCKS, self.header_bytes))
+        self.write_staging = aligned_empty((WRITE_CHUNK_BLOCKS, block_bytes))  # device -> disk goes through it
+        for tensor in (self._write_headers, self.write_staging):
+            self.io.register_memory(tensor)
+        self.read_chunk = max(1, min(256, READ_CHUNK_BYTES // self.slot_bytes))
+
+    @staticmethod
+    def header_bytes_for(page_size: int) -> int:
+        """Room for a page's token ids (msgpack, up to 9 bytes each) and its event identity, 4 KiB-aligned."""
+        return -(-(1024 + 9 * page_size) // HEADER_BYTES) * HEADER_BYTES
+
+    existing_bytes = staticmethod(identity_dir.existing_bytes)
+
+    def register_dram(self, tensor: torch.Tensor) -> None:
+        """Let NIXL move bytes to and from ``tensor`` (the host slab, the read staging)."""
+        self.io.register_memory(tensor)
+
+    # -- bookkeeping (scheduler thread) ---------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def holds(self, block_id: BlockId) -> bool:
+        return self._index.holds(block_id)
+
+    def registered(self, block_id: BlockId) -> bool:
+        return self._index.registered(block_id)
+
+    def touch(self, block_ids: Sequence[BlockId]) -> None:
+        self._index.touch(block_ids)
+
+    def reserve(self, block_ids: Sequence[BlockId]) -> tuple[list[Reservation], list[BlockMeta]]:
+        """Slots for these blocks, in order, evicting LRU ones; stops at the first that finds none."""
+        slots, evicted = self._index.reserve(block_ids)
+        for header in evicted:
+            self._journal.removed(header.block_id)
+        out = [Reservation(b, s, self.segments.generation(s)) for b, s in zip(block_ids, slots)]
+        for r in out:
+            self._holds[r.slot] = self.segments.hold([r.slot])
+        return out, [h.meta() for h in evicted]
+
+    def commit(self, reserved: Sequence[Reservation], headers: Sequence[BlockHeader]) -> list[BlockMeta]:
+        """The writes completed: register the blocks (those whose segment was not retired meanwhile)."""
+        good = [(r, h) for r, h in zip(reserved, headers) if self.segments.generation(r.slot) == r.generation]
+        stale = [r for r, _ in zip(reserved, headers) if self.segments.generation(r.slot) != r.generation]
+        if stale:
+            self.abort(stale)
+        self._index.commit([h for _, h in good], [r.slot for r, _ in good])
+        for r, header in good:
+            self._journal.added(r.slot, header)
+            self.segments.release(self._holds.pop(r.slot, ()))
+        return [h.meta() for _, h in good]
+
+    def abort(self, reserved: Sequence[Reservation]) -> None:
+        self._index.abort([r.block_id for r in reserved], [r.slot for r in reserved], self.segments.usable)
+        for r in reserved:
+            self.segments.release(self._holds.pop(r.slot, ()))
+
+    def invalidate(self, block_ids: Sequence[BlockId], *, reason: str) -> list[BlockMeta]:
+        """Remove blocks whose bytes cannot be trusted; returns the metas removed."""
+        removed = self._index.remove(block_ids)
+        for header in removed:
+            self._journal.removed(header.block_id)
+        self.stats.invalidated[reason] += len(removed)
+        return [h.meta() for h in removed]
+
+    def begin_read(self, block_ids: Sequence[BlockId]) -> Optional[tuple[list[DiskEntry], tuple]]:
+        """Pin registered blocks for a read; None if one is not registered (or its file went away)."""
+        for segment in {self.segments.of(s) for s in map(self._index.slot, block_ids) if s is not None}:
+            if not self.segments.check(segment):
+                self._retire(segment, reason="file missing or replaced")
+        if not all(map(self._index.registered, block_ids)):
+            return None
+        slots = self._index.pin(block_ids)
+        entries = [DiskEntry(s, self._index.header(s)) for s in slots]
+        return entries, self.segments.hold(slots)
+
+    def end_read(self, block_ids: Sequence[BlockId], holds: tuple) -> None:
+        self._index.unpin(block_ids)
+        self.segments.release(holds)
+
+    def _retire(self, segment, *, reason: str) -> None:
+        seg_slots = set(range(segment.first, segment.first + segment.slots))
+        lost = self._index.drop_slots(seg_slots)
+        for header in lost:
+            self._journal.removed(header.block_id)
+        self.stats.invalidated[reason] += len(lost)
+        self._retired.extend(h.meta() for h in lost)
+        if self.segments.retire(segment, reason=reason):
+            self._index.add_free(s for s in seg_slots if self._index.state.state(s) is BlockState.FREE)
+
+    def take_retired(self) -> list[BlockMeta]:
+        """Blocks lost with retired segments since the last call (for the caller's removal events)."""
+        retired, self._retired = self._retired, []
+        return retired
+
+    def registered_metas(self) -> list[BlockMeta]:
+        return [header.meta() for _, header in self._index.entries()]
+
+    def forget(self) -> None:
+        self._index.forget()
+        self._journal.cleared()
+
+    def persist(self, force: bool = False) -> None:
+        self._journal.persist(self._index.entries, force=force)
+
+    def accounting(self) -> dict:
+        """Where every slot is: registered, free, being written, or lost with a segment."""
+        lost = sum(s.slots for s in self.segments.segments if not s.alive)
+        return {"slots": self.num_slots, "registered": len(self._index), "free": self._index.free_count(),
+                "writing": self._index.inflight_count(), "lost": lost, "fds": self.segments.open_descriptors()}
+
+    # -- I/O (worker threads) ----------------------------------------------------------
+
+    def _owned(self, role: str) -> None:
+        me = threading.get_ident()
+        owner = self._owners.setdefault(role, me)
+        if owner != me:
+            raise RuntimeError(f"DiskStore.{role} runs on one thread only (its staging buffers are not shared)")
+
+    def write(self, reserved: Sequence[Reservation], metas: Sequence[BlockMeta], rows: Sequence[torch.Tensor]) -> list[BlockHeader]:
+        """Write blocks from host rows (the writer thread). Returns their headers; raises :class:`DiskIOError`."""
+        self._owned("write")
+        return write_blocks(self, reserved, metas, rows, self._write_headers, WRITE_CHUNK_BLOCKS)
+
+    def read(self, entries: Sequence[DiskEntry], data_rows: Sequence[torch.Tensor],
+             header_rows: Sequence[torch.Tensor]) -> list[tuple[int, str]]:
+        """Read and verify blocks into host rows (the reader thread); ``(index, reason)`` of those that failed."""
+        self._owned("read")
+        return read_blocks(self, entries, data_rows, header_rows, self.read_chunk)
+
+    def close(self) -> None:
+        self._journal.close(self._index.entries())
+        self.segments.close()
+        self._lock_file.close()
+
+
+__all__ = ["DiskEntry", "DiskIOError", "DiskStats", "DiskStore", "Reservation"]

@@ -1,0 +1,151 @@
+"""Where disk reads land: host staging rows, verified, before a load copies them to the device.
+
+A lookup that finds blocks on disk starts reading them here at once
+(:meth:`ReadStaging.prefetch`), so a request that waits in the queue has its
+disk blocks in host memory by the time it is scheduled; a load that comes
+sooner waits for the read (:meth:`ReadStaging.wait`). Staged blocks are kept
+in LRU order and reused by later loads until their rows are needed. Staging is
+not a tier: nothing here is announced, and a block leaves staging without an
+event. A block that fails verification is dropped from the disk tier (with its
+``DISK`` removal) and never staged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from concurrent.futures import Executor, Future, wait
+from typing import Callable, Optional, Sequence
+
+from sglang_kvbm.backends.local.copies import disk_to_staging
+from sglang_kvbm.backends.local.host_pool import HostBlockPool
+from sglang_kvbm.core.identity import BlockId
+from sglang_kvbm.core.ports import BlockMeta
+from sglang_kvbm.core.tiers import Tier
+from sglang_kvbm.kv_layout import PagedKvLayout, aligned_empty
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ReadJob:
+    ids: tuple[BlockId, ...]
+    rows: tuple[int, ...]
+    metas: tuple[BlockMeta, ...]
+    holds: tuple
+    generation: int
+    future: Future
+
+
+class ReadStaging:
+    def __init__(
+        self,
+        layout: PagedKvLayout,
+        disk,
+        capacity: int,
+        executor: Executor,
+        removed: Callable[[Tier, Sequence[BlockMeta]], None],
+        observe: Callable[[str, int, float], None],
+        on_read: Callable[[int, float], None] = lambda nbytes, seconds: None,
+    ) -> None:
+        self._disk = disk
+        self._executor = executor
+        self._removed = removed
+        self._observe = observe
+        self._on_read = on_read
+        self.pool = HostBlockPool(layout.host_slab(capacity, pin=layout.is_cuda))
+        self._headers = aligned_empty((capacity, disk.header_bytes))
+        disk.register_dram(self.pool.slab)
+        disk.register_dram(self._headers)
+        self._jobs: dict[BlockId, _ReadJob] = {}  # block being read -> its job
+        self._pending: list[_ReadJob] = []
+        self.generation = 0
+        self.failures = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.pool.capacity
+
+    def staged(self, block_id: BlockId) -> bool:
+        return self.pool.registered(block_id)
+
+    def reading(self, block_id: BlockId) -> bool:
+        return block_id in self._jobs
+
+    def prefetch(self, block_ids: Sequence[BlockId]) -> None:
+        """Start reading the blocks not staged or being read yet (the disk must hold them)."""
+        todo = [b for b in block_ids if not self.pool.holds(b) and b not in self._jobs]
+        if not todo:
+            return
+        rows, _ = self.pool.reserve(todo)  # evicts least recently used staged blocks (no events: not a tier)
+        todo = todo[: len(rows)]
+        started = self._disk.begin_read(todo) if todo else None
+        if started is None:
+            self.pool.abort(todo, rows)
+            return
+        entries, holds = started
+        future = self._executor.submit(disk_to_staging, self._disk, entries, self.pool.slab, self._headers, rows)
+        job = _ReadJob(tuple(todo), tuple(rows), tuple(e.header.meta() for e in entries), holds, self.generation, future)
+        self._pending.append(job)
+        self._jobs.update(dict.fromkeys(todo, job))
+
+    def wait(self, block_ids: Sequence[BlockId], timeout: Optional[float]) -> bool:
+        """Wait for the reads of these blocks; False on timeout (they stay in flight)."""
+        futures = {self._jobs[b].future for b in block_ids if b in self._jobs}
+        if not futures:
+            return True
+        _, not_done = wait(futures, timeout=timeout)
+        self.collect()
+        return not not_done
+
+    def collect(self) -> None:
+        """Finish the reads that are done: stage verified blocks, drop the ones that failed."""
+        if not self._pending:
+            return
+        still = []
+        for job in self._pending:
+            if not job.future.done():
+                still.append(job)
+                continue
+            for block_id in job.ids:
+                self._jobs.pop(block_id, None)
+            self._finish(job)
+        self._pending = still
+
+    def _finish(self, job: _ReadJob) -> None:
+        self._disk.end_read(job.ids, job.holds)
+        try:
+            failed, seconds = job.future.result()
+        except Exception:  # the request recomputes; nothing is staged
+            logger.exception("kvbm: disk read of %d blocks failed", len(job.ids))
+            failed, seconds = [(i, "I/O error") for i in range(len(job.ids))], 0.0
+        if job.generation != self.generation:
+            self.pool.abort(job.ids, job.rows)  # reset while reading: the blocks belong to a dropped cache
+            return
+        bad = {i for i, _ in failed}
+        by_reason: dict[str, list[BlockId]] = {}
+        for i, reason in failed:
+            by_reason.setdefault(reason, []).append(job.ids[i])
+        for reason, ids in by_reason.items():
+            self._removed(Tier.DISK, self._disk.invalidate(ids, reason=reason))
+            logger.warning(
+                "kvbm: %d disk block(s) failed verification (%s) and were dropped; the request recomputes", len(ids), reason
+            )
+        if bad:
+            self.failures += 1
+            self.pool.abort([job.ids[i] for i in sorted(bad)], [job.rows[i] for i in sorted(bad)])
+        good = [i for i in range(len(job.ids)) if i not in bad]
+        if good:
+            self.pool.commit([job.metas[i] for i in good], [job.rows[i] for i in good])
+            nbytes = len(good) * self._disk.slot_bytes
+            self._observe("onboard_d2d", nbytes, seconds)
+            if not bad:
+                self._on_read(nbytes, seconds)
+
+    def forget(self) -> None:
+        """Drop every staged block; reads in flight are discarded when they end."""
+        self.generation += 1
+        self.pool.forget()
+
+    def in_flight(self) -> list[Future]:
+        return [job.future for job in self._pending]

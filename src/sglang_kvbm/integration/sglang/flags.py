@@ -1,0 +1,79 @@
+"""``--radix-cache-backend kvbm`` (and the version patch's ``--enable-kvbm``) as SGLang's linker flags.
+
+The flag users type stays the radix-cache backend's. During SGLang's
+server-argument resolution, in the launcher, it is turned into what SGLang
+needs to run this library on its default tree with the scheduler's linker
+hooks on: ``--enable-unified-cache-external-linker
+--unified-cache-external-linker-backend dynamic
+--unified-cache-external-linker-config {"linker": "KvbmLinker", ...}``, and no
+radix-cache backend. The configuration (environment, then ``--kvbm-config``)
+is validated here, so a bad value stops the launcher before any process is
+spawned. No sglang import at module level: the plugin imports this in every
+SGLang process.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from sglang_kvbm.config import ConfigError, KvbmConfig
+# TEMP from sglang_kvbm.events_config import check_kv_events_config
+
+BACKEND_NAME = "kvbm"
+SOURCE = "sglang-kvbm"
+LINKER = "KvbmLinker"
+LINKER_MODULE = "sglang_kvbm.integration.sglang.linker"
+
+
+def linker_config(kvbm_config: Optional[str]) -> dict:
+    """The value of ``--unified-cache-external-linker-config`` that runs this library."""
+    return {"linker": LINKER, "linker_module_path": LINKER_MODULE, "linker_extra_config": {"kvbm_config": kvbm_config}}
+
+
+def wanted(cfg: Any) -> bool:
+    return cfg.radix_cache_backend == BACKEND_NAME or bool(getattr(cfg, "enable_kvbm", False))
+
+
+def translate(server_args: Any) -> None:
+    """Declare the linker flags on ``server_args`` if kvbm was asked for (idempotent)."""
+    from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
+
+    cfg = resolving_view(server_args)
+    kvbm_config = getattr(cfg, "kvbm_config", None)
+    if not wanted(cfg):
+        if kvbm_config:
+            raise ConfigError("--kvbm-config is set but neither --enable-kvbm nor --radix-cache-backend kvbm is")
+        return
+    if cfg.radix_cache_backend not in (None, BACKEND_NAME):
+        raise ConfigError(f"--enable-kvbm cannot run with --radix-cache-backend {cfg.radix_cache_backend}")
+    for flag, value in (
+        ("--disable-radix-cache", cfg.disable_radix_cache),
+        ("--enable-hierarchical-cache", cfg.enable_hierarchical_cache),
+        ("--hicache-storage-backend", cfg.hicache_storage_backend),
+        ("--enable-lmcache", getattr(cfg, "enable_lmcache", False)),
+    ):
+        if value:
+            raise ConfigError(f"sglang-kvbm (--radix-cache-backend kvbm) replaces SGLang's host cache: remove {flag}")
+    if cfg.unified_cache_external_linker_config not in (None, linker_config(kvbm_config)):
+        raise ConfigError(
+            "--radix-cache-backend kvbm sets --unified-cache-external-linker-config itself: remove that flag"
+        )
+    KvbmConfig.from_sources(json_text=kvbm_config).require_a_tier()
+    # TEMP check_kv_events_config(cfg.kv_events_config)
+    declare_resolution(
+        server_args,
+        SOURCE,
+        radix_cache_backend=None,
+        enable_unified_cache_external_linker=True,
+        unified_cache_external_linker_backend="dynamic",
+        unified_cache_external_linker_config=linker_config(kvbm_config),
+    )
+
+
+def describe(kvbm_config: Optional[str] = None) -> str:
+    """The raw SGLang flags ``--radix-cache-backend kvbm`` stands for (docs and ``doctor``)."""
+    return (
+        "--enable-unified-cache-external-linker --unified-cache-external-linker-backend dynamic "
+        f"--unified-cache-external-linker-config '{json.dumps(linker_config(kvbm_config))}'"
+    )

@@ -1,0 +1,55 @@
+"""The two places SGLang hands the linker what its contract does not: the tree, and the model worker.
+
+A linker is constructed before the tree cache adopts it, and it is never
+given the cache or the model worker. Two AFTER hooks through SGLang's own
+``HookRegistry`` close that gap, for a :class:`~sglang_kvbm.integration.sglang.linker.KvbmLinker`
+only (any other linker passes through untouched):
+
+* ``UnifiedCacheLinkerWrapper.__init__`` (the tree adopting a linker) ->
+  ``linker.attach_kvbm(cache)``: the linker wraps *that cache instance's*
+  ``insert`` (to know the key whose pages an offload stores) and
+  ``take_events`` (to put its tiers' events on the cache's one event stream).
+  Not ``UnifiedRadixCache.init_cache_linker``: SGLang looks that bound method
+  up before it builds the linker, so a hook installed by the linker's
+  constructor would come too late for it;
+* ``TpModelWorker.register_hicache_layer_transfer_counter`` ->
+  ``counter.attach_worker(worker)``: the disk onboarding policy times prefill
+  on *that* worker instance.
+
+Installed by the linker's constructor, in the scheduler process, before SGLang
+calls either method; installing twice is a no-op.
+"""
+
+from __future__ import annotations
+
+_installed = False
+
+_CACHE_TARGET = "sglang.srt.mem_cache.unified_cache.unified_cache_linker.UnifiedCacheLinkerWrapper.__init__"
+_WORKER_TARGET = "sglang.srt.managers.tp_worker.TpModelWorker.register_hicache_layer_transfer_counter"
+
+
+def _after_wrapper_init(result, wrapper, cache, cache_linker, *args, **kwargs):
+    attach = getattr(cache_linker, "attach_kvbm", None)
+    if attach is not None:
+        attach(cache)
+    return result
+
+
+def _after_register_counter(result, worker, counter, *args, **kwargs):
+    attach = getattr(counter, "attach_kvbm_worker", None)
+    if attach is not None:
+        attach(worker)
+    return result
+
+
+def install() -> None:
+    global _installed
+    if _installed:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookSource, HookType
+
+    source = HookSource("kvbm", "sglang-kvbm")
+    HookRegistry.register(_CACHE_TARGET, _after_wrapper_init, HookType.AFTER, source=source)
+    HookRegistry.register(_WORKER_TARGET, _after_register_counter, HookType.AFTER, source=source)
+    HookRegistry.apply_hooks()
+    _installed = True

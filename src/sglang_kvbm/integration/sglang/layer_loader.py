@@ -1,0 +1,96 @@
+"""Loads into the device pool one layer at a time, off the scheduler thread.
+
+SGLang's forward waits on the layer it is about to read
+(``MHATokenToKVPool.get_key_buffer`` -> ``LayerWiseLoadCounter.wait_until``),
+so while layer 0 computes, layer 1 is being copied. The scheduler thread only
+hands over a batch (:meth:`LayerLoader.start`); this loader's thread builds the
+copy plan (index tensors on the device) and copies layer after layer, marking
+each one done on the counter, or failing the batch on the counter.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Callable, Optional, Sequence
+
+from sglang_kvbm.backends.local import copies
+from sglang_kvbm.backends.local.manager import LoadPlan, LocalBlockManager
+from sglang_kvbm.core.tiers import Tier
+
+logger = logging.getLogger(__name__)
+
+
+class LayerLoader:
+    def __init__(
+        self,
+        manager: LocalBlockManager,
+        counter,
+        *,
+        observe: Callable[[str, int, float], None] = lambda path, nbytes, seconds: None,
+        before_layer: Optional[Callable[[int, int], None]] = None,
+    ) -> None:
+        """``before_layer(index, layer)`` runs on the loader thread before each layer (tests hold layers back)."""
+        self._manager = manager
+        self._layout = manager.layout
+        self._counter = counter
+        self._observe = observe
+        self.before_layer = before_layer
+        self._stream = self._layout.new_stream()  # this thread's own, created before it starts
+        self._queue: queue.Queue = queue.Queue()
+        self._idle = threading.Condition()
+        self._busy = 0
+        self._thread = threading.Thread(target=self._run, name="kvbm-load", daemon=True)
+        self._thread.start()
+
+    def start(self, loads: Sequence[tuple[LoadPlan, object]], ready=None) -> int:
+        """Queue one forward's loads (``(plan, device token slots)``); returns the counter index."""
+        index = self._counter.update_producer()
+        with self._idle:
+            self._busy += 1
+        self._queue.put((index, list(loads), ready))
+        return index
+
+    def _run(self) -> None:
+        while True:
+            task = self._queue.get()
+            if task is None:
+                return
+            index, loads, ready = task
+            try:
+                self._load(index, loads, ready)
+            except BaseException as exc:  # reported by finish(): the scheduler drops the loading requests
+                logger.exception("kvbm: layer-wise load failed")
+                self._counter.fail(index, exc)
+            finally:
+                with self._idle:
+                    self._busy -= 1
+                    self._idle.notify_all()
+
+    def _load(self, index: int, loads, ready) -> None:
+        started = time.perf_counter()
+        if ready is not None:
+            ready.synchronize()  # the scheduler's stream handed these slots over
+        parts = []
+        for plan, slots in loads:
+            parts += self._manager.load_parts(plan, self._layout.pages_of(slots))
+        batch = copies.load_batch(self._layout, parts)
+        for layer in range(self._layout.num_layers):
+            if self.before_layer is not None:
+                self.before_layer(index, layer)
+            copies.load_layer(self._layout, self._stream, batch, layer)
+            self._counter.complete(index, layer)
+        seconds = time.perf_counter() - started
+        self._observe("onboard_h2d", batch.blocks[Tier.HOST] * self._layout.page_bytes, seconds)
+
+    def wait_idle(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every queued batch has been copied (reset and close)."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._busy == 0, timeout)
+
+    def close(self) -> None:
+        self.wait_idle()
+        self._queue.put(None)
+        self._thread.join(timeout=10)

@@ -1,0 +1,249 @@
+"""``KvbmLinker``: KVBM's host and disk tiers behind SGLang's external-cache linker seam.
+
+SGLang's default tree (``UnifiedRadixCache``) drives it through
+``UnifiedCacheLinkerWrapper``:
+
+* ``lookup`` (at admission): how many pages of the device-uncached tail the
+  tiers hold; disk-resident ones start reading into verified staging at once.
+  The wrapper intersects the answer across attention ranks.
+* ``load`` (admission, after slots were allocated): pins every block, or
+  refuses (the request recomputes the span); disk bytes are verified first.
+* ``start_layer_wise_loading`` / ``finish_layer_wise_loading``: the batch's
+  copies run on the loader thread one layer at a time while the forward waits
+  only for the layer it reads.
+* ``offload`` (the tree's write-through, once per new node): device pages are
+  copied down on a worker; ``num_completed_offloads`` / ``pop_completed_offload``
+  report them in order, and the tree unlocks the node.
+
+The tree publishes no events for an external store: this linker puts its
+tiers' ``CPU_PINNED``/``DISK`` events on the cache's event stream itself (see
+``hooks`` for how it reaches the cache).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Optional
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+from sglang.srt.mem_cache.unified_cache.unified_cache_linker import UnifiedCacheLinker
+
+from sglang_kvbm.config import KvbmConfig
+from sglang_kvbm.core.connector import KvbmConnector
+from sglang_kvbm.core.ports import StoreRequest
+from sglang_kvbm.integration.sglang import hooks
+from sglang_kvbm.integration.sglang.build import build_tiers
+from sglang_kvbm.integration.sglang.event_order import EventOrderer
+from sglang_kvbm.integration.sglang.events import SglangEventSink
+from sglang_kvbm.integration.sglang.layer_loader import LayerLoader
+from sglang_kvbm.integration.sglang.page_identity import EventSettings, InsertContext
+from sglang_kvbm.integration.sglang.ranks import LinkerSetup, check_components, setup_of
+from sglang_kvbm.integration.sglang.tier_query import TierQueries, TierTokens, tier_tokens
+from sglang_kvbm.integration.sglang.worker_counter import KvbmLayerCounter
+
+logger = logging.getLogger(__name__)
+
+
+class KvbmLinker(UnifiedCacheLinker):
+    def __init__(self, server_args, params, *, components=(), extra_config=None, forward_stream=None) -> None:
+        check_components(components, params)
+        hooks.install()  # before SGLang adopts this linker and registers its counter
+        self.forward_stream = forward_stream
+        self.page_size = params.page_size
+        self.setup: LinkerSetup = setup_of(server_args, params, extra_config or {})
+        config: KvbmConfig = self.setup.config
+        self._events_on = bool(params.enable_kv_cache_events)
+        self._event_settings = (
+            EventSettings(params.page_size, params.dynamo_kv_event_format, params.kv_event_lora_names)
+            if self._events_on or config.has_disk
+            else None
+        )
+        self.sink = SglangEventSink(self._events_on, params.page_size)
+        self.orderer = EventOrderer()
+        self.metrics = None
+        if config.metrics and self.setup.serves_endpoint:
+            from sglang_kvbm.metrics import KvbmMetrics
+
+            self.metrics = KvbmMetrics(self._metrics_snapshot)
+        tiers = build_tiers(params, config, self.setup.identity, observer=self.metrics,
+                            offload_executor=(extra_config or {}).get("offload_executor"))
+        self.layout, self.manager, self.policy = tiers.layout, tiers.manager, tiers.policy
+        self.connector = KvbmConnector(
+            self.manager, self.sink, page_size=params.page_size,
+            min_offload_priority=config.host_offload_min_priority, hit_rate_window=getattr(config, "cache_stats_max_requests", 1000),
+        )
+        self.pools = {PoolName.KV: params.token_to_kv_pool_allocator.get_kvcache()}
+        self.layer_done_counter = KvbmLayerCounter(self.layout.num_layers, self.policy)
+        self.loader = LayerLoader(self.manager, self.layer_done_counter, observe=self.manager._observe)
+        self.queries = TierQueries(self.tier_tokens)
+        self.cache = None
+        self._insert: Optional[tuple] = None  # (key, priority) of the insert in progress
+        self._queued: dict[str, tuple] = {}  # rid -> (plan, device slots), for the next forward
+        self._batches: dict[int, list] = {}  # counter index -> plans being copied
+        self.offloads_refused_outside_insert = 0
+        self.endpoint = None
+        if self.metrics is not None:
+            from sglang_kvbm.integration.sglang.endpoint import start_http
+
+            self.endpoint = start_http(self, config, self.metrics, port_offset=self.setup.dp_rank)
+        self._closed = False
+
+    # -- the contract ---------------------------------------------------------------
+
+    def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
+        keys = _kv(transfers).keys or []
+        hit = self.connector.lookup(rid, keys)
+        return list(range(1, hit + 1))
+
+    def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
+        kv = _kv(transfers)
+        plan = self.connector.acquire(kv.keys)
+        if plan is None:
+            return False
+        old = self._queued.pop(rid, None)
+        if old is not None:
+            self.connector.cancel(old[0])
+        self._queued[rid] = (plan, kv.device_indices)
+        return True
+
+    def start_layer_wise_loading(self) -> int:
+        if not self._queued:
+            return -1
+        loads, self._queued = list(self._queued.values()), {}
+        ready = None
+        if self.layout.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        index = self.loader.start(loads, ready)
+        self._batches[index] = [plan for plan, _ in loads]
+        return index
+
+    def finish_layer_wise_loading(self, counter_index: int) -> bool:
+        landed = self.layer_done_counter.finish(counter_index)
+        for plan in self._batches.pop(counter_index, ()):
+            self.connector.release(plan, landed=landed)
+        return landed
+
+    def cancel_queued_load(self, rid: str) -> bool:
+        queued = self._queued.pop(rid, None)
+        if queued is None:
+            return False
+        self.connector.cancel(queued[0])
+        return True
+
+    def offload(self, transfers: list[PoolTransfer], session_id: Optional[str] = None) -> bool:
+        if self._insert is None:
+            # Only an insert says which tokens the pages hold; the tree offers the node again later.
+            self.offloads_refused_outside_insert += 1
+            if self.offloads_refused_outside_insert == 1:
+                logger.warning("kvbm: the tree offered pages outside an insert; refused (their tokens are unknown)",
+                               stack_info=True)
+            return False
+        key, priority = self._insert
+        context = InsertContext(key, priority, self.page_size, self._event_settings)
+        kv = _kv(transfers)
+        keys = tuple(kv.keys)
+        ready = tuple(self.record_offload_ready()) if self.layout.is_cuda else ()
+        request = StoreRequest(keys, kv.device_indices, functools.partial(context.describe, keys), ready)
+        return self.connector.offload(request, priority=priority)
+
+    def num_completed_offloads(self) -> int:
+        # Called by the scheduler at the top of every step: the linker's per-step hook.
+        self.queries.answer_pending()
+        count = self.connector.completed_offloads()
+        if self.metrics is not None:
+            self.connector.publish(self._publish_extra())
+        return count
+
+    def pop_completed_offload(self) -> bool:
+        return self.connector.pop_completed_offload()
+
+    def reset(self) -> None:
+        """Quiesce the copies and forget every tier (the tree publishes ``AllBlocksCleared``)."""
+        self.loader.wait_idle()
+        for plan, _ in self._queued.values():
+            self.connector.cancel(plan)
+        for plans in self._batches.values():
+            for plan in plans:
+                self.connector.cancel(plan)
+        self._queued.clear()
+        self._batches.clear()
+        self.connector.reset()
+        self.layer_done_counter.reset()
+        self.sink.clear()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.endpoint is not None:
+            self.endpoint.close()
+        self.loader.close()
+        self.connector.close()
+
+    # -- what the hooks give (see ``hooks``) -------------------------------------------
+
+    def attach_kvbm(self, cache) -> None:
+        """Wrap this cache instance's ``insert`` and ``take_events`` (and nothing else)."""
+        self.cache = cache
+        insert, take_events = cache.insert, cache.take_events
+
+        @functools.wraps(insert)
+        def insert_with_key(params):
+            self._insert = (params.key, params.priority or 0) if params.key is not None else None
+            try:
+                return insert(params)
+            finally:
+                self._insert = None
+
+        @functools.wraps(take_events)
+        def take_all_events():
+            events = take_events()
+            self.connector.poll()
+            return self.orderer.order(events + self.sink.take())
+
+        cache.insert = insert_with_key
+        cache.take_events = take_all_events
+
+    # -- the truth about this worker's tiers ----------------------------------------------
+
+    def tier_tokens(self, token_ids, *, extra_key=None, cache_salt=None) -> TierTokens:
+        """Tokens of a sequence each tier would serve now (scheduler thread; others use ``query_tiers``)."""
+        return tier_tokens(self.cache, self.connector, token_ids, extra_key=extra_key, cache_salt=cache_salt)
+
+    def query_tiers(self, token_ids, *, extra_key=None, cache_salt=None, timeout: float = 10.0) -> TierTokens:
+        return self.queries.ask(token_ids, extra_key=extra_key, cache_salt=cache_salt, timeout=timeout)
+
+    def _publish_extra(self) -> dict:
+        manager = self.manager
+        extra = {
+            "local": manager.stats.__dict__.copy(),
+            "in_flight": len(manager.in_flight()),
+            "events": {"held": self.orderer.held(), "held_total": self.orderer.held_total, "dropped": self.orderer.dropped},
+            "offloads_refused_outside_insert": self.offloads_refused_outside_insert,
+            "block_bytes": {"host": self.layout.block_bytes, "disk": manager.disk.slot_bytes if manager.disk else 0},
+        }
+        if manager.host is not None:
+            extra["host"] = manager.host.accounting()
+        if manager.disk is not None:
+            disk = dict(manager.disk.stats.__dict__)
+            disk["invalidated"] = dict(manager.disk.stats.invalidated)
+            disk.update(manager.disk.accounting())
+            extra["disk"] = disk
+        if self.cache is not None:
+            extra["device"] = {"evictable": self.cache.evictable_size(), "protected": self.cache.protected_size()}
+        return extra
+
+    def _metrics_snapshot(self) -> dict:
+        from sglang_kvbm.integration.sglang.endpoint import metrics_of
+
+        return metrics_of(self.connector.snapshot())
+
+
+def _kv(transfers: list[PoolTransfer]) -> PoolTransfer:
+    for transfer in transfers:
+        if transfer.name == PoolName.KV:
+            return transfer
+    raise ValueError("the tree passed no KV transfer to the kvbm linker")
