@@ -35,6 +35,7 @@ class Identity:
     revision: Optional[str] = None
     settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     ranks: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    download_dir: Optional[str] = None  # SGLang's --download-dir: where a hub id's snapshot is looked for first
 
 
 @dataclasses.dataclass
@@ -66,7 +67,7 @@ def build_tiers(
     if config.has_disk:
         fingerprint, description = server_fingerprint(
             identity.model_path, layout, kvcache, revision=identity.revision,
-            settings=identity.settings, ranks=identity.ranks,
+            settings=identity.settings, ranks=identity.ranks, download_dir=identity.download_dir,
         )
         disk, policy = _build_disk(config, layout, fingerprint, description)
         offload_filter = None if config.disable_disk_offload_filter else FrequencyFilter()
