@@ -68,3 +68,74 @@ def test_hold_list_is_bounded_and_counts_drops():
     o = EventOrderer(max_held=2)
     o.order([stored([i + 100], i, "DISK") for i in range(5)])
     assert o.held() == 2 and o.dropped == 3
+
+
+# --- removals touch only the held stores that carry a removed block --------------------------------------------
+
+import random  # noqa: E402
+
+from sglang_kvbm.integration.sglang import event_order  # noqa: E402
+
+
+def test_removal_examines_only_the_held_stores_it_names(monkeypatch):
+    """60k orphans held; each removal must look at the stores carrying its blocks, not at all 60k."""
+    o = EventOrderer(max_held=1 << 17)
+    o.order([stored([1_000_000 + i], i, "DISK") for i in range(60_000)])  # parents 0..59999 unknown
+    assert o.held() == 60_000
+    seen = []
+    real = event_order._medium
+    monkeypatch.setattr(event_order, "_medium", lambda e: seen.append(e) or real(e))
+    for i in range(100):
+        assert o.order([removed([1_000_000 + i], "DISK")]) == []
+    assert len(seen) <= 3 * 100, f"100 removals examined {len(seen)} events"
+    assert o.held() == 60_000 - 100
+    monkeypatch.undo()
+    # What is left still follows its parent; what was removed never appears.
+    assert links(o.order([stored([5], None, "GPU")])) == [("BlockStored", "GPU", (5,))]
+    assert links(o.order([stored([150], None, "GPU")]))[-1] == ("BlockStored", "DISK", (1_000_150,))
+
+
+def test_partial_removal_of_a_held_chain_keeps_the_part_before_it_under_the_same_parent():
+    o = EventOrderer()
+    o.order([stored([11, 12, 13, 14], 10, "DISK"), stored([12, 13], 10, "CPU_PINNED")])
+    o.order([removed([13], "DISK")])
+    assert o.held() == 2
+    o.order([removed([12], "DISK")])  # the DISK chain is now [11]; 12 is no longer in it
+    o.order([removed([11], "DISK")])
+    assert o.held() == 1  # the CPU_PINNED store of 12, 13 is untouched by DISK removals
+    out = o.order([stored([10], None, "GPU")])
+    assert links(out) == [("BlockStored", "GPU", (10,)), ("BlockStored", "CPU_PINNED", (12, 13))]
+
+
+def _random_stream(rng: random.Random, steps: int) -> list:
+    media = ["GPU", "CPU_PINNED", "DISK"]
+    events = []
+    for _ in range(steps):
+        roll = rng.random()
+        if roll < 0.55:
+            start = rng.randrange(60)
+            hashes = list(range(start, min(start + rng.randint(1, 4), 64)))
+            parent = None if start == 0 or rng.random() < 0.1 else start - 1 - rng.randrange(2)
+            events.append(stored(hashes, parent, rng.choice(media)))
+        elif roll < 0.98:
+            events.append(removed(rng.sample(range(64), rng.randint(1, 5)), rng.choice(media)))
+        else:
+            events.append(AllBlocksCleared())
+    return events
+
+
+def test_same_stream_out_as_the_scanning_implementation():
+    """The indexed removal against the original whole-list scan, on random streams, batch by batch."""
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location("scan_orderer", pathlib.Path(__file__).parent / "scan_orderer.py")
+    scan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(scan)
+    for seed in range(40):
+        rng = random.Random(seed)
+        new, old = EventOrderer(max_held=8), scan.EventOrderer(max_held=8)
+        for _ in range(60):
+            batch = _random_stream(rng, rng.randint(1, 6))
+            assert new.order(batch) == old.order(batch), f"seed {seed}"
+            assert (new.held(), new.dropped, new.held_total) == (old.held(), old.dropped, old.held_total)

@@ -12,6 +12,10 @@ as the cache hands them to the publisher, tracks which tiers hold each block
 id, and rewrites the batch: in-order events pass, orphans wait. The wait list
 is bounded; what overflows it is dropped and counted (the block is then simply
 not routed to, never routed to wrongly).
+
+Held stores are indexed by the block hashes they carry, so a removal touches
+only the stores holding a removed block (a scan of every held store took 33 ms
+per removal at 60k held, on the scheduler's thread).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ class EventOrderer:
     def __init__(self, max_held: int = 1 << 16) -> None:
         self._known: dict[int, set[str]] = {}  # block hash -> media the router has it in
         self._held: dict[int, list[BlockStored]] = collections.defaultdict(list)  # parent -> waiting stores
+        # block hash -> {parent: how many stores waiting under that parent carry it}
+        self._held_by_hash: dict[int, dict[int, int]] = {}
         self._held_count = 0
         self._max_held = max_held
         self.dropped = 0
@@ -44,6 +50,7 @@ class EventOrderer:
             elif isinstance(event, AllBlocksCleared):
                 self._known.clear()
                 self._held.clear()
+                self._held_by_hash.clear()
                 self._held_count = 0
                 out.append(event)
             else:
@@ -73,11 +80,13 @@ class EventOrderer:
     def _release(self, hashes: Iterable[int], out: list) -> None:
         stack = list(hashes)
         while stack:
-            waiting = self._held.pop(stack.pop(), None)
+            waiting_for = stack.pop()
+            waiting = self._held.pop(waiting_for, None)
             if not waiting:
                 continue
             self._held_count -= len(waiting)
             for child in waiting:
+                self._index(waiting_for, child, -1)
                 out.append(child)
                 self._mark(child)
                 stack.extend(child.block_hashes)
@@ -88,6 +97,7 @@ class EventOrderer:
             logger.warning("kvbm: event hold-back list full; a %s store is dropped from the stream", _medium(event))
             return
         self._held[parent].append(event)
+        self._index(parent, event, +1)
         self._held_count += 1
         self.held_total += 1
 
@@ -109,11 +119,15 @@ class EventOrderer:
 
     def _forget_held(self, removed: set[int], medium: str) -> None:
         """A held store whose block left its tier before it could be published: it never happened."""
-        for parent in list(self._held):
+        parents = set()
+        for block_hash in removed:
+            parents.update(self._held_by_hash.get(block_hash, ()))
+        for parent in parents:
             waiting = self._held[parent]
             keep = []
             for child in waiting:
                 if _medium(child) == medium and removed.intersection(child.block_hashes):
+                    self._index(parent, child, -1)
                     hashes = [h for h in child.block_hashes if h not in removed]
                     if not hashes:
                         continue
@@ -122,12 +136,25 @@ class EventOrderer:
                     if cut == 0:
                         continue
                     child = _prefix(child, cut)
+                    self._index(parent, child, +1)
                 keep.append(child)
             self._held_count -= len(waiting) - len(keep)
             if keep:
                 self._held[parent] = keep
             else:
                 del self._held[parent]
+
+    def _index(self, parent: int, event: BlockStored, delta: int) -> None:
+        """Count ``event`` (waiting under ``parent``) in, or out of, the index of held stores by block hash."""
+        for block_hash in event.block_hashes:
+            parents = self._held_by_hash.setdefault(block_hash, {})
+            count = parents.get(parent, 0) + delta
+            if count > 0:
+                parents[parent] = count
+            else:
+                del parents[parent]
+                if not parents:
+                    del self._held_by_hash[block_hash]
 
 
 def _medium(event) -> str:
