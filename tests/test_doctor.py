@@ -4,14 +4,26 @@ import os
 import subprocess
 import sys
 
-from test_disk_tier import make_unwritable, make_writable
+import pytest
+
+from sglang_kvbm import doctor as doctor_module
+from sglang_kvbm.config import ConfigError
+from sglang_kvbm.doctor import diagnose
+from sglang_kvbm.versions import SUPPORTED_SGLANG, check_sglang_version
+
+from permissions import make_unwritable, make_writable
 
 
-def doctor(env_extra):
+def doctor(env_extra, *args):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DYN_KVBM_", "SGLANG_KVBM_"))}
     env.update(env_extra)
-    return subprocess.run([sys.executable, "-m", "sglang_kvbm.cli", "doctor"], env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "sglang_kvbm.cli", "doctor", *args], env=env, capture_output=True,
                           text=True, timeout=120)
+
+
+def rows(env, **kwargs):
+    """``check -> (status, detail)`` of an in-process diagnosis."""
+    return {row.check: (row.status, row.detail) for row in diagnose(env, **kwargs)}
 
 
 def test_good_setup_is_ready(tmp_path):
@@ -43,3 +55,82 @@ def test_unwritable_disk_directory_is_a_problem(tmp_path):
         make_writable(locked)
     assert run.returncode == 1
     assert "DYN_KVBM_DISK_CACHE_DIR" in run.stdout and "not writable" in run.stdout
+
+
+# --- tiers sized in blocks: the bytes they need are checked too ----------------------------------------------
+
+HUGE = str(10**9)  # blocks: petabytes at any real block size
+
+
+def test_block_sized_host_tier_is_checked_against_memory_with_block_bytes():
+    status, detail = rows({"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": HUGE}, block_bytes=1 << 20)["host tier"]
+    assert status == "FAIL"
+    assert "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS" in detail and "lower" in detail
+
+
+def test_block_sized_host_tier_that_fits_reports_its_bytes():
+    status, detail = rows({"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": "64"}, block_bytes=1 << 20)["host tier"]
+    assert status == "ok" and "64 blocks of 1 MiB = 0.06 GiB" in detail
+
+
+def test_block_sized_host_tier_without_block_bytes_states_its_assumption():
+    status, detail = rows({"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": HUGE})["host tier"]
+    assert status == "warn"
+    assert "2 MiB" in detail and "assumed" in detail and "--block-bytes" in detail
+
+
+def test_block_sized_disk_tier_is_checked_against_free_space(tmp_path):
+    env = {"DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": HUGE, "DYN_KVBM_DISK_CACHE_DIR": str(tmp_path)}
+    status, detail = rows(env, block_bytes=1 << 20)["disk tier"]
+    assert status == "FAIL" and "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS" in detail and "free" in detail
+
+
+def test_block_sized_disk_tier_without_block_bytes_warns_on_the_assumption(tmp_path):
+    env = {"DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": HUGE, "DYN_KVBM_DISK_CACHE_DIR": str(tmp_path)}
+    found = rows(env)
+    status, detail = found["disk space"]
+    assert status == "warn" and "assumed 2 MiB per block" in detail and "--block-bytes" in detail
+    assert found["disk tier"][0] == "ok"  # the directory itself is fine
+
+
+def test_block_bytes_on_the_command_line(tmp_path):
+    run = doctor({"DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": HUGE, "DYN_KVBM_DISK_CACHE_DIR": str(tmp_path)},
+                 "--block-bytes", "1048576")
+    assert run.returncode == 1 and "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS" in run.stdout
+    bad = doctor({}, "--block-bytes", "0")
+    assert bad.returncode == 2 and "--block-bytes" in bad.stderr
+
+
+# --- no backend that does not exist; one supported SGLang range ----------------------------------------------
+
+def test_no_auto_backend_is_mentioned():
+    assert "auto" not in doctor_module.__doc__
+    assert all("auto" not in detail for _, detail in rows({"DYN_KVBM_CPU_CACHE_GB": "1"}).values())
+
+
+@pytest.mark.parametrize("installed", ["0.5.23", "0.5.23.post1", "0.5.30", "0.5.24rc1", "0.5.23+cu130"])
+def test_supported_sglang_versions(installed):
+    check_sglang_version(installed)
+
+
+@pytest.mark.parametrize("installed", ["0.5.22", "0.6.0", "0.6.0rc1", "1.0", "0.4.9"])
+def test_unsupported_sglang_version_names_both_and_the_fix(installed):
+    with pytest.raises(ConfigError) as err:
+        check_sglang_version(installed)
+    message = str(err.value)
+    assert installed in message and SUPPORTED_SGLANG in message and "pip install 'sglang" in message
+
+
+def test_unparseable_sglang_version():
+    with pytest.raises(ConfigError, match="'not-a-version'.*pip install 'sglang"):
+        check_sglang_version("not-a-version")
+
+
+def test_doctor_uses_the_one_supported_range():
+    assert doctor_module.SUPPORTED_SGLANG is SUPPORTED_SGLANG
+
+
+def test_version_module_imports_neither_sglang_nor_torch():
+    code = "import sys, sglang_kvbm.versions; print([m for m in ('sglang', 'torch') if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -8,6 +8,16 @@ import sys
 from typing import Optional, Sequence
 
 
+def _positive_int(raw: str) -> int:
+    try:
+        value = int(raw, 10)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a positive whole number of bytes, e.g. --block-bytes 2097152")
+    return value
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="sglang-kvbm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -17,7 +27,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     events.add_argument("endpoint", help="the worker's --kv-events-config endpoint, e.g. tcp://127.0.0.1:5557")
     events.add_argument("--replay", metavar="ENDPOINT", help="its replay_endpoint: print the buffered history first")
     events.add_argument("--seconds", type=float, help="stop after this long without (or with) events")
-    sub.add_parser("doctor", help="check versions, CUDA, configuration, memory and the disk directory")
+    doctor = sub.add_parser("doctor", help="check versions, CUDA, configuration, memory and the disk directory")
+    doctor.add_argument(
+        "--block-bytes",
+        type=_positive_int,
+        metavar="BYTES",
+        help="the model's KV block size (the server logs it at start-up): checks tiers sized in blocks exactly",
+    )
     args = parser.parse_args(argv)
     level = logging.WARNING if args.command == "doctor" else logging.INFO
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
@@ -29,7 +45,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "doctor":
         from sglang_kvbm.doctor import main as doctor_main
 
-        return doctor_main(sys.stdout)
+        return doctor_main(sys.stdout, block_bytes=args.block_bytes)
     if args.command == "events":
         from sglang_kvbm.integration.sglang.events_view import watch
 
