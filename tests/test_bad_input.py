@@ -3,7 +3,9 @@ out-of-range and unknown values, fails at start-up with an error naming it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 
 import pytest
 
@@ -61,13 +63,76 @@ def test_json_overrides_the_environment():
 
 
 def test_print_the_table(capsys):
-    """The table as a person reads it (``pytest -s tests/test_bad_input.py -k table``)."""
+    """The table as a person reads it (``pytest -s tests/test_bad_input.py -k table``): every bad value from
+    both sources, each row naming its variable or key and saying the fix."""
     lines = []
-    for var in _VARS:
-        value = BAD[var.parse.__name__][0]
-        try:
-            KvbmConfig.from_env({var.env: value})
-        except ConfigError as exc:
-            lines.append(f"{var.env}={value!r} -> {exc}")
-    assert len(lines) == len(_VARS)
+    for var, value in CASES:
+        for source, run in (
+            (var.env, lambda: KvbmConfig.from_env({var.env: value})),
+            (var.field, lambda: KvbmConfig.from_sources({}, json.dumps({var.field: value}))),
+        ):
+            if value == "" and source == var.env:
+                continue  # an empty variable means unset
+            with pytest.raises(ConfigError) as err:
+                run()
+            row = f"{source}={value!r} -> {err.value}"
+            assert source in str(err.value), row
+            assert FIX.search(str(err.value)), f"no fix in: {row}"
+            lines.append(row)
+    assert len(lines) >= 2 * len(_VARS)
     print("\n".join(lines))
+
+
+# --- every field, both sources; each message names its source and says the fix --------------------------------
+
+FIX = re.compile(r"\b(set|unset|remove|leave|raise|lower|use|pass|give)\b")
+
+
+def test_every_field_has_a_variable():
+    assert sorted(v.field for v in _VARS) == sorted(f.name for f in dataclasses.fields(KvbmConfig))
+
+
+def _json_cases():
+    """Every bad environment value, plus what only JSON can say: the empty string and values of the wrong type."""
+    cases = [(var, value) for var, value in CASES if value != ""]
+    for var in _VARS:
+        cases.append((var, ""))
+        if var.parse.__name__ in ("_directory", "_host"):
+            cases += [(var, 5), (var, True)]
+    return cases
+
+
+JSON_CASES = _json_cases()
+
+
+@pytest.mark.parametrize("var, value", JSON_CASES, ids=[f"{v.field}={x!r}" for v, x in JSON_CASES])
+def test_bad_json_value_gets_a_json_fix(var, value):
+    with pytest.raises(ConfigError) as err:
+        KvbmConfig.from_sources({}, json.dumps({var.field: value}))
+    message = str(err.value)
+    assert var.field in message and FIX.search(message), message
+    assert "unset it" not in message, message
+    if "e.g." in message:
+        assert '{"' in message.split("e.g.", 1)[1], f"the example is not JSON: {message}"
+
+
+def test_json_empty_directory_is_not_the_working_directory():
+    with pytest.raises(ConfigError, match="disk_cache_dir.*empty"):
+        KvbmConfig.from_sources({}, '{"disk_cache_dir": ""}')
+
+
+def test_json_key_given_twice_is_refused():
+    with pytest.raises(ConfigError, match="cpu_cache_gb.*more than once"):
+        KvbmConfig.from_sources({}, '{"cpu_cache_gb": 4, "cpu_cache_gb": 2}')
+    with pytest.raises(ConfigError, match="sets cpu_cache_gb more than once .'DYN_KVBM_CPU_CACHE_GB' and 'cpu_cache_gb'.: remove one"):
+        KvbmConfig.from_sources({}, '{"DYN_KVBM_CPU_CACHE_GB": 4, "cpu_cache_gb": 2}')
+
+
+def test_unknown_json_key_suggests_the_close_one():
+    with pytest.raises(ConfigError, match="'cpu_cache_gib' is unknown.*did you mean 'cpu_cache_gb'"):
+        KvbmConfig.from_sources({}, '{"cpu_cache_gib": 4}')
+
+
+def test_json_strings_are_trimmed_like_the_environment():
+    config = KvbmConfig.from_sources({}, '{"http_host": " 0.0.0.0 ", "cpu_cache_gb": " 2 "}')
+    assert config.http_host == "0.0.0.0" and config.cpu_cache_gb == 2

@@ -1,7 +1,8 @@
 """One frozen configuration, built once at start-up from KVBM's environment variables.
 
 Variable names are KVBM's own (``DYN_KVBM_*``), so a deployment that already
-configures KVBM for vLLM or TensorRT-LLM configures this library the same way.
+configures KVBM for vLLM or TensorRT-LLM configures this library the same way;
+``--kvbm-config`` (JSON) overrides them with the same settings.
 Every value is parsed and range-checked here; a bad one raises
 :class:`ConfigError` naming the variable and how to fix it, before any memory
 is allocated or any request is served.
@@ -13,91 +14,25 @@ import dataclasses
 import difflib
 import json
 import logging
-import math
 import os
 from typing import Any, Callable, Mapping, Optional
+
+from sglang_kvbm.config_values import (  # ConfigError: everyone imports it from here
+    ConfigError,
+    JsonKey,
+    _block_size,
+    _bool,
+    _directory,
+    _host,
+    _port,
+    _positive_float,
+    _positive_int,
+    _priority,
+)
 
 logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
-
-
-class ConfigError(ValueError):
-    """A configuration value is missing, malformed or out of range."""
-
-
-def _positive_float(name: str, raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a number: set it to a size in GiB, e.g. {name}=4") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{name}={raw!r} must be a positive size in GiB, e.g. {name}=4; unset it to disable the tier")
-    return value
-
-
-def _positive_int(name: str, raw: str) -> int:
-    try:
-        value = int(raw, 10)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a whole number: set it to a block count, e.g. {name}=1024") from None
-    if value <= 0:
-        raise ConfigError(f"{name}={raw!r} must be at least 1; unset it to size the tier in GiB instead")
-    return value
-
-
-def _priority(name: str, raw: str) -> int:
-    try:
-        value = int(raw, 10)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a whole number: set a priority from 0 to 100, e.g. {name}=50") from None
-    if not 0 <= value <= 100:
-        raise ConfigError(f"{name}={raw!r} is out of range: set a priority from 0 to 100 (0 offloads everything)")
-    return value
-
-
-def _bool(name: str, raw: str) -> bool:
-    value = raw.lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{name}={raw!r} is not a boolean: set it to true or false")
-
-
-def _port(name: str, raw: str) -> int:
-    try:
-        value = int(raw, 10)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a port number: set it to 1-65535, e.g. {name}=6880") from None
-    if not 1 <= value <= 65535:
-        raise ConfigError(f"{name}={raw!r} is out of range: set it to 1-65535")
-    return value
-
-
-def _host(name: str, raw: str) -> str:
-    import ipaddress
-
-    try:
-        return str(ipaddress.ip_address(raw))
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not an IP address: set it to 127.0.0.1 (default) or 0.0.0.0") from None
-
-
-def _block_size(name: str, raw: str) -> int:
-    try:
-        value = int(raw, 10)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise ConfigError(f"{name}={raw!r} is not a block size: set it to the router's --block-size in tokens, e.g. 16")
-    return value
-
-
-def _directory(name: str, raw: str) -> str:
-    if "\x00" in raw:
-        raise ConfigError(f"{name} contains a NUL byte: set it to a directory path")
-    return os.path.abspath(os.path.expanduser(raw))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +41,7 @@ class _Var:
     field: str
     parse: Callable[[str, str], Any]
     doc: str
+    text: bool = False  # a path or an address: in JSON, only a string (a number or true is a mistake)
 
 
 # The variables this library reads, in the order a person would set them.
@@ -124,7 +60,8 @@ _VARS: tuple[_Var, ...] = (
         _positive_int,
         "disk (G3) tier size in blocks; overrides DYN_KVBM_DISK_CACHE_GB",
     ),
-    _Var("DYN_KVBM_DISK_CACHE_DIR", "disk_cache_dir", _directory, "where the disk tier's files live (default /tmp)"),
+    _Var("DYN_KVBM_DISK_CACHE_DIR", "disk_cache_dir", _directory, "where the disk tier's files live (default /tmp)",
+         text=True),
     _Var(
         "DYN_KVBM_DISK_ZEROFILL_FALLBACK",
         "disk_zerofill_fallback",
@@ -145,7 +82,8 @@ _VARS: tuple[_Var, ...] = (
     ),
     _Var("DYN_KVBM_METRICS", "metrics", _bool, "serve Prometheus metrics and /tiers on DYN_KVBM_METRICS_PORT"),
     _Var("DYN_KVBM_METRICS_PORT", "metrics_port", _port, "port of the metrics endpoint (default 6880)"),
-    _Var("SGLANG_KVBM_HTTP_HOST", "http_host", _host, "address the metrics endpoint binds (default 127.0.0.1)"),
+    _Var("SGLANG_KVBM_HTTP_HOST", "http_host", _host, "address the metrics endpoint binds (default 127.0.0.1)",
+         text=True),
     _Var(
         "SGLANG_KVBM_ROUTER_BLOCK_SIZE",
         "router_block_size",
@@ -177,6 +115,38 @@ def _blocks(count: Optional[int], gib: Optional[float], block_bytes: int, gib_va
             f"{gib_var}={gib} holds no block of {block_bytes} bytes: raise it to at least {block_bytes / GIB:.6f}"
         )
     return blocks
+
+
+class _Pairs(list):
+    """A JSON object as its ``(key, value)`` pairs, in order, duplicates kept."""
+
+
+def _json_var(key: str) -> _Var:
+    by_field = {v.field: v for v in _VARS}
+    var = _BY_ENV.get(key) or by_field.get(str(key).lower())
+    if var is None:
+        close = difflib.get_close_matches(str(key), list(by_field) + list(_BY_ENV), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(
+            f"--kvbm-config key {key!r} is unknown: {hint}remove it, or use one of {', '.join(sorted(by_field))}"
+        )
+    return var
+
+
+def _json_text(var: _Var, key: str, raw: Any) -> str:
+    """A JSON value as the text the environment would carry, or a ConfigError naming the key."""
+    if isinstance(raw, bool) and not var.text:
+        return "true" if raw else "false"
+    if isinstance(raw, str):
+        if not raw.strip():
+            raise ConfigError(f"--kvbm-config key {key!r} is empty: set a value, or leave the key out for the default")
+        return raw.strip()
+    if var.text or raw is None or isinstance(raw, (bool, list, dict)):
+        kind = "a string" if var.text else "a number, string or boolean"
+        shown = json.dumps(dict(raw) if isinstance(raw, _Pairs) else raw)
+        raise ConfigError(f"--kvbm-config key {key!r} needs {kind}, got {shown}: set it to {kind}, "
+                          "or leave the key out for the default")
+    return str(raw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,29 +197,29 @@ class KvbmConfig:
 
         JSON keys are the variable names (``"DYN_KVBM_CPU_CACHE_GB"``) or the field
         names (``"cpu_cache_gb"``); values go through the same parsing as the
-        environment's. An unknown key is an error.
+        environment's. An unknown key, a setting given twice, an empty value, and a
+        number where a path or an address belongs are errors.
         """
         config = cls.from_env(environ)
         if not json_text:
             return config
         try:
-            data = json.loads(json_text)
+            pairs = json.loads(json_text, object_pairs_hook=_Pairs)  # pairs, so a key given twice is seen
         except ValueError as exc:
             raise ConfigError(f"--kvbm-config is not valid JSON ({exc}): pass an object, e.g. '{{\"cpu_cache_gb\": 4}}'") from None
-        if not isinstance(data, dict):
-            raise ConfigError("--kvbm-config must be a JSON object, e.g. '{\"cpu_cache_gb\": 4}'")
-        by_field = {v.field: v for v in _VARS}
-        values = {}
-        for key, raw in data.items():
-            var = _BY_ENV.get(key) or by_field.get(str(key).lower())
-            if var is None:
-                known = ", ".join(sorted(by_field))
-                raise ConfigError(f"--kvbm-config key {key!r} is unknown; known keys: {known}")
-            if isinstance(raw, bool):
-                raw = "true" if raw else "false"
-            elif raw is None or isinstance(raw, (list, dict)):
-                raise ConfigError(f"--kvbm-config key {key!r} needs a number, string or boolean, got {raw!r}")
-            values[var.field] = var.parse(f"--kvbm-config {key}", str(raw))
+        if not isinstance(pairs, _Pairs):
+            raise ConfigError("--kvbm-config must be a JSON object: pass one, e.g. '{\"cpu_cache_gb\": 4}'")
+        values: dict[str, Any] = {}
+        given: dict[str, str] = {}  # field -> the key that set it
+        for key, raw in pairs:
+            var = _json_var(key)
+            if var.field in given:
+                raise ConfigError(
+                    f"--kvbm-config sets {var.field} more than once ({given[var.field]!r} and {key!r}): "
+                    "remove one of them"
+                )
+            given[var.field] = key
+            values[var.field] = var.parse(JsonKey(key), _json_text(var, key, raw))
         return dataclasses.replace(config, **values)
 
     def host_blocks(self, block_bytes: int) -> int:
