@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from array import array
 
 import torch
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-from sglang.srt.mem_cache.radix_cache import RadixKey
 from transformers import DynamicCache, GPT2LMHeadModel
 
 from sglang_kvbm import KvbmConfig
@@ -53,8 +50,7 @@ class TinyServer:
     @torch.no_grad()
     def generate(self, tokens: list[int], new_tokens: int) -> tuple[list[int], dict]:
         """Greedy tokens for ``tokens``, reusing any cached prefix; the prompt's KV is cached after."""
-        hit = self.cache.prefix(tokens)
-        lock = self.cache.lock(hit.node)
+        hit = self.cache.prefix(tokens)  # locked until release(): evictions cannot take it
         past = DynamicCache()
         reused = len(hit.indices)
         if reused:
@@ -64,7 +60,7 @@ class TinyServer:
                 past.update(k.contiguous(), v.contiguous(), layer)
         out = self.model(torch.tensor([tokens[reused:]]), past_key_values=past, use_cache=True)
         self._store(tokens, hit, out.past_key_values)
-        self.cache.unlock(lock)
+        self.cache.release(hit)
         generated = [int(out.logits[0, -1].argmax())]
         past = out.past_key_values
         for _ in range(new_tokens - 1):
@@ -81,14 +77,14 @@ class TinyServer:
         if need <= 0:
             return
         if self.allocator.available_size() < need:
-            self.cache.evict(EvictParams(num_tokens=need - self.allocator.available_size()))
+            self.cache.evict(need - self.allocator.available_size())
         slots = self.allocator.alloc(need)
         for layer in range(self.layers):
             keys, values = past.layers[layer].keys, past.layers[layer].values  # (1, heads, tokens, dim)
             self.pool.k_buffer[layer][slots] = keys[0, :, reused:full].permute(1, 0, 2)
             self.pool.v_buffer[layer][slots] = values[0, :, reused:full].permute(1, 0, 2)
         values = torch.cat([hit.indices.to(torch.int64), slots.to(torch.int64)])
-        result = self.cache.insert(InsertParams(key=RadixKey(array("q", tokens[:full])), value=values))
+        result = self.cache.insert(tokens[:full], values)  # the tree's write-through copies it down
         if result.prefix_len > reused:  # pages someone else inserted meanwhile: ours are duplicates
             self.allocator.free(slots[: result.prefix_len - reused])
 
@@ -112,7 +108,7 @@ def main(argv=None) -> int:
         print(f"cold      : {cold} {info}")
         for seed in range(2, 3 + pool_tokens // args.tokens):  # other traffic fills the device pool
             server.generate(prompt_ids(seed, args.tokens), args.new)
-        server.cache.connector.flush(timeout=60)
+        server.cache.flush(timeout=60)
         warm, info = server.generate(prompt, args.new)
         print(f"host hit  : {warm} {info}")
     finally:

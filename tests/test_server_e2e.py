@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import zmq
@@ -76,7 +77,10 @@ def test_repeated_prompt_is_served_from_host(kvbm_run):
     final = results[-1]["meta_info"]
     assert final["cached_tokens_details"]["host"] > 0, final
     assert final["cached_tokens"] == 596
-    assert "Tree cache initialized: source=registered('kvbm') impl=KvbmRadixCache" in log
+    # The flag became SGLang's linker on its default tree, and the scheduler drove it.
+    assert "Tree cache initialized: source=default impl=UnifiedRadixCache" in log
+    assert "'unified_cache_external_linker_config': {'linker': 'KvbmLinker'" in log
+    assert "'radix_cache_backend': None" in log
 
 
 def test_host_hit_output_equals_stock_device_hit(kvbm_run, stock_results):
@@ -128,6 +132,45 @@ def test_events_cli_prints_decoded_events_and_tier_counts(kvbm_run):
     assert "stored  CPU_PINNED" in cli.stdout and "stored  GPU" in cli.stdout
     final = [line for line in cli.stdout.splitlines() if line.startswith("final:")][-1]
     assert "CPU_PINNED=" in final and "GPU=" in final and "0 gaps" in final
+
+
+def test_later_layers_held_back_still_give_stock_output_and_the_forward_waits_per_layer(
+    model_dir, stock_results, tmp_path
+):
+    """The load of the repeated prompt copies layer 0 at once and holds layer 1 back: the forward
+    computes layer 0, then waits on layer 1 only, and the output is still stock's."""
+    record = tmp_path / "layers.txt"
+    hold = 0.6
+    server = SglangServer(
+        model_dir,
+        max_total_tokens=1024,
+        extra_args=["--radix-cache-backend", "kvbm"],
+        env={
+            "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": "2048",
+            "PYTHONPATH": str(Path(__file__).parent / "layer_hold"),
+            "KVBM_TEST_HOLD_LAYERS": str(hold),
+            "KVBM_TEST_RECORD": str(record),
+        },
+        log_path=tmp_path / "server.log",
+    )
+    with server:
+        results = run_e2e_sequence(server)
+    assert results[-1]["meta_info"]["cached_tokens_details"]["host"] == 596
+    for ours, name in zip(results, ("A", "B", "C", "A2")):
+        assert same_output(ours, stock_results[name]), name
+    lines = [line.split() for line in record.read_text().splitlines()]
+    copies = {int(layer): float(t) for kind, layer, t, *_ in lines if kind == "copy"}
+    waited: dict[int, float] = {}  # the forward asks once per K and once per V buffer of a layer
+    last_wait_end: dict[int, float] = {}
+    for kind, layer, *times in lines:
+        if kind == "wait":
+            start, end = map(float, times)
+            waited[int(layer)] = waited.get(int(layer), 0.0) + end - start
+            last_wait_end[int(layer)] = end
+    assert set(copies) == {0, 1} and set(waited) == {0, 1}, lines
+    assert last_wait_end[0] < copies[1]  # the forward was past layer 0 before layer 1 had landed
+    assert waited[0] < 0.1 * hold and waited[1] >= 0.5 * hold  # and then waited for layer 1 alone
+    assert last_wait_end[1] >= copies[1]
 
 
 def test_router_block_size_mismatch_fails_at_start(model_dir, tmp_path):

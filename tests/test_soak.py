@@ -126,14 +126,17 @@ def test_soak(model_dir, tmp_path):
 
     wall = time.monotonic() - started
     device, host, disk = final["device"], final["host"], final["disk"]
-    print(f"\nsoak: {wall:.0f}s wall, {counts}, evictions: device {final['connector']['device_blocks_dropped']}, "
+    gpu_removed = sum(len(e.block_hashes) for _, b in batches for e in b.events
+                      if type(e).__name__ == "BlockRemoved" and e.medium in (None, "GPU"))
+    invalidated = sum(final["disk"]["invalidated"].values())
+    print(f"\nsoak: {wall:.0f}s wall, {counts}, evictions: device {gpu_removed}, "
           f"host {final['connector']['host_blocks_removed']}, disk {final['connector']['disk_blocks_removed']}, "
-          f"disk blocks invalidated {final['local']['disk_blocks_invalidated']}, {len(batches)} event batches")
+          f"disk blocks invalidated {invalidated}, {len(batches)} event batches")
     assert not mismatches, mismatches[:3]
     assert covered(), counts
     assert device["available"] + device["evictable"] + device["protected"] == device["total"], device
     assert device["protected"] == 0, device
-    assert host["registered"] + host["free"] == host["capacity"] and host["in_flight"] == 0, host
+    assert host["registered"] + host["free"] == host["capacity"] and host["in_flight"] == host["orphaned"] == 0, host
     assert disk["registered"] + disk["free"] + disk["lost"] == disk["slots"] and disk["writing"] == 0, disk
     seqs = [seq for seq, _ in batches]
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs))) and seqs[0] == 0

@@ -184,7 +184,7 @@ class KvbmConnector:
     def publish(self, extra: dict) -> None:
         """Replace the snapshot other threads read (counters, rates, occupancy, plus ``extra``)."""
         snapshot = {
-            "stats": dataclasses.asdict(self.stats),
+            "connector": dataclasses.asdict(self.stats),
             "host_hit_rate": self.hit_rates.host_rate,
             "disk_hit_rate": self.hit_rates.disk_rate,
             "tiers": {c.tier.name.lower(): (c.blocks, c.capacity) for c in self.counts()},

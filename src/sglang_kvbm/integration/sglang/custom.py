@@ -93,6 +93,7 @@ class KvbmCache:
         computed to produce logits). The returned node is locked: call
         :meth:`release` when the indices are no longer read.
         """
+        self.poll()
         tree = self.tree
         tokens = array("q", token_ids)
         usable = max(0, len(tokens) - 1) // self.page_size * self.page_size
@@ -136,16 +137,21 @@ class KvbmCache:
 
     def insert(self, token_ids, slots: torch.Tensor, *, extra_key=None, cache_salt=None):
         """Cache the KV at ``slots`` for ``token_ids`` (whole pages); copies them down to the tiers below."""
+        self.poll()
         key = RadixKey(array("q", token_ids), extra_key, cache_salt=cache_salt)
         return self.tree.insert(InsertParams(key=key, value=slots.to(torch.int64)))
 
     def evict(self, num_tokens: int) -> None:
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
+        self.poll()  # nodes whose copies finished are unlocked, and evictable, only after a poll
         self.tree.evict(EvictParams(num_tokens=num_tokens))
 
     def poll(self) -> None:
-        """What SGLang's scheduler does each step: finish offloads (unlocking their nodes)."""
+        """What SGLang's scheduler does each step: finish offloads (unlocking their nodes).
+
+        ``prefix``, ``insert`` and ``evict`` poll first; a server that waits long between
+        calls may poll itself, so finished copies unlock their nodes sooner."""
         self.tree.check_hicache_events()
 
     def tier_tokens(self, token_ids, *, extra_key=None, cache_salt=None) -> TierTokens:

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 def metrics_of(snapshot: dict) -> dict:
     """The numbers behind KVBM's metric names, from a published snapshot."""
-    stats = snapshot.get("stats", {})
+    stats = snapshot.get("connector", {})
     block_bytes = snapshot.get("block_bytes", {})
     tiers = {
         name: (blocks, capacity, blocks * block_bytes.get(name, 0))

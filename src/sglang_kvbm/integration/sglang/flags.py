@@ -18,7 +18,7 @@ import json
 from typing import Any, Optional
 
 from sglang_kvbm.config import ConfigError, KvbmConfig
-# TEMP from sglang_kvbm.events_config import check_kv_events_config
+from sglang_kvbm.events_config import check_kv_events_config
 
 BACKEND_NAME = "kvbm"
 SOURCE = "sglang-kvbm"
@@ -59,8 +59,9 @@ def translate(server_args: Any) -> None:
         raise ConfigError(
             "--radix-cache-backend kvbm sets --unified-cache-external-linker-config itself: remove that flag"
         )
+    check_installed_sglang()
     KvbmConfig.from_sources(json_text=kvbm_config).require_a_tier()
-    # TEMP check_kv_events_config(cfg.kv_events_config)
+    check_kv_events_config(cfg.kv_events_config, cfg.page_size or 1)  # the page size may not be resolved yet
     declare_resolution(
         server_args,
         SOURCE,
@@ -69,6 +70,15 @@ def translate(server_args: Any) -> None:
         unified_cache_external_linker_backend="dynamic",
         unified_cache_external_linker_config=linker_config(kvbm_config),
     )
+
+
+def check_installed_sglang() -> None:
+    """Refuse an SGLang outside the supported range, naming both (the linker contract changes between versions)."""
+    from importlib import metadata
+
+    from sglang_kvbm.versions import check_sglang_version
+
+    check_sglang_version(metadata.version("sglang"))
 
 
 def describe(kvbm_config: Optional[str] = None) -> str:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from typing import Optional
 
 import torch
@@ -37,6 +38,7 @@ from sglang_kvbm.integration.sglang import hooks
 from sglang_kvbm.integration.sglang.build import build_tiers
 from sglang_kvbm.integration.sglang.event_order import EventOrderer
 from sglang_kvbm.integration.sglang.events import SglangEventSink
+from sglang_kvbm.integration.sglang.flags import check_installed_sglang
 from sglang_kvbm.integration.sglang.layer_loader import LayerLoader
 from sglang_kvbm.integration.sglang.page_identity import EventSettings, InsertContext
 from sglang_kvbm.integration.sglang.ranks import LinkerSetup, check_components, setup_of
@@ -44,10 +46,12 @@ from sglang_kvbm.integration.sglang.tier_query import TierQueries, TierTokens, t
 from sglang_kvbm.integration.sglang.worker_counter import KvbmLayerCounter
 
 logger = logging.getLogger(__name__)
+PUBLISH_INTERVAL_S = 0.05  # how fresh /stats and /metrics are
 
 
 class KvbmLinker(UnifiedCacheLinker):
     def __init__(self, server_args, params, *, components=(), extra_config=None, forward_stream=None) -> None:
+        check_installed_sglang()
         check_components(components, params)
         hooks.install()  # before SGLang adopts this linker and registers its counter
         self.forward_stream = forward_stream
@@ -61,6 +65,9 @@ class KvbmLinker(UnifiedCacheLinker):
             else None
         )
         self.sink = SglangEventSink(self._events_on, params.page_size)
+        if self._events_on:
+            logger.info("kvbm: KV events carry one page per block, block_size=%d, media GPU/CPU_PINNED/DISK: "
+                        "run Dynamo's router or indexer with --block-size %d", params.page_size, params.page_size)
         self.orderer = EventOrderer()
         self.metrics = None
         if config.metrics and self.setup.serves_endpoint:
@@ -88,6 +95,7 @@ class KvbmLinker(UnifiedCacheLinker):
             from sglang_kvbm.integration.sglang.endpoint import start_http
 
             self.endpoint = start_http(self, config, self.metrics, port_offset=self.setup.dp_rank)
+        self._published_at = 0.0
         self._closed = False
 
     # -- the contract ---------------------------------------------------------------
@@ -154,7 +162,10 @@ class KvbmLinker(UnifiedCacheLinker):
         self.queries.answer_pending()
         count = self.connector.completed_offloads()
         if self.metrics is not None:
-            self.connector.publish(self._publish_extra())
+            now = time.monotonic()
+            if now - self._published_at >= PUBLISH_INTERVAL_S:  # the idle scheduler loops without pause
+                self._published_at = now
+                self.connector.publish(self._publish_extra())
         return count
 
     def pop_completed_offload(self) -> bool:
@@ -186,9 +197,9 @@ class KvbmLinker(UnifiedCacheLinker):
     # -- what the hooks give (see ``hooks``) -------------------------------------------
 
     def attach_kvbm(self, cache) -> None:
-        """Wrap this cache instance's ``insert`` and ``take_events`` (and nothing else)."""
+        """Wrap this cache instance's ``insert``, ``init_load_back`` and ``take_events`` (nothing else)."""
         self.cache = cache
-        insert, take_events = cache.insert, cache.take_events
+        insert, init_load_back, take_events = cache.insert, cache.init_load_back, cache.take_events
 
         @functools.wraps(insert)
         def insert_with_key(params):
@@ -198,6 +209,17 @@ class KvbmLinker(UnifiedCacheLinker):
             finally:
                 self._insert = None
 
+        @functools.wraps(init_load_back)
+        def init_load_back_reporting_disk(params):
+            result = init_load_back(params)
+            req = params.req
+            queued = self._queued.get(req.rid) if req is not None else None
+            if queued is not None and queued[0].disk_blocks:
+                # Report the disk part as SGLang reports L3 hits (cached_tokens_details["storage"]).
+                req.storage_hit_length = queued[0].disk_blocks * self.page_size
+                req.storage_hit_start = None
+            return result
+
         @functools.wraps(take_events)
         def take_all_events():
             events = take_events()
@@ -205,6 +227,7 @@ class KvbmLinker(UnifiedCacheLinker):
             return self.orderer.order(events + self.sink.take())
 
         cache.insert = insert_with_key
+        cache.init_load_back = init_load_back_reporting_disk
         cache.take_events = take_all_events
 
     # -- the truth about this worker's tiers ----------------------------------------------
@@ -233,7 +256,13 @@ class KvbmLinker(UnifiedCacheLinker):
             disk.update(manager.disk.accounting())
             extra["disk"] = disk
         if self.cache is not None:
-            extra["device"] = {"evictable": self.cache.evictable_size(), "protected": self.cache.protected_size()}
+            allocator = self.cache.token_to_kv_pool_allocator
+            extra["device"] = {
+                "total": allocator.size,
+                "available": allocator.available_size(),
+                "evictable": self.cache.evictable_size(),
+                "protected": self.cache.protected_size(),
+            }
         return extra
 
     def _metrics_snapshot(self) -> dict:

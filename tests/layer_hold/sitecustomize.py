@@ -1,0 +1,66 @@
+"""Test-only: holds back every layer but the first of each layer-wise load, and records the forward's waits.
+
+Put this directory on a server's PYTHONPATH with ``KVBM_TEST_HOLD_LAYERS=<seconds>`` and
+``KVBM_TEST_RECORD=<file>``: in the scheduler process, the kvbm loader sleeps that long before
+copying each layer after layer 0, and every wait of the forward on the layer counter is
+appended to the file as ``wait <layer> <start> <end>`` (and each copy as ``copy <layer> <time>``).
+"""
+
+import os
+
+_HOLD = os.environ.get("KVBM_TEST_HOLD_LAYERS")
+_RECORD = os.environ.get("KVBM_TEST_RECORD")
+
+if _HOLD and _RECORD:
+    import importlib.abc
+    import sys
+    import time
+
+    def _log(line: str) -> None:
+        with open(_RECORD, "a") as f:
+            f.write(line + "\n")
+
+    def _patch(module) -> None:
+        loader_cls = module.LayerLoader
+        original_init = loader_cls.__init__
+
+        def init(self, *args, **kwargs):
+            original_init(self, *args, **kwargs)
+
+            def hold(index, layer):
+                if layer > 0:
+                    time.sleep(float(_HOLD))
+                _log(f"copy {layer} {time.monotonic():.6f}")
+
+            self.before_layer = hold
+            counter = self._counter
+            original_wait = counter.wait_until
+
+            def wait_until(layer):
+                started = time.monotonic()
+                original_wait(layer)
+                if counter.futures.get(counter.consumer_index) is not None:
+                    _log(f"wait {layer} {started:.6f} {time.monotonic():.6f}")
+
+            counter.wait_until = wait_until
+
+        loader_cls.__init__ = init
+
+    class _Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name != "sglang_kvbm.integration.sglang.layer_loader":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            original_exec = spec.loader.exec_module
+
+            def exec_module(module):
+                original_exec(module)
+                _patch(module)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    import importlib.util
+
+    sys.meta_path.insert(0, _Finder())
