@@ -1,16 +1,25 @@
 """Scheduler critical path: time spent in cache calls on the scheduler thread, per cache.
 
 One request trace (multi-turn conversations sharing system prompts, a working
-set several times the device pool) is replayed in this process through stock
-``RadixCache``, SGLang's default ``UnifiedRadixCache`` and this library's
-``KvbmRadixCache`` (host tier on). Each request does what the scheduler does to
-the cache: ``match_prefix`` (and ``init_load_back`` on a host hit), ``lock``,
-``evict`` when the pool is short, ``insert`` of its pages, ``unlock``,
-``take_events``. Only those calls are timed; the offload worker's copies run
-on their own thread and are not counted (they are off the critical path, which
-is the point). Target: KvbmRadixCache <= 1.10x stock RadixCache.
+set several times the device pool) is replayed in this process through SGLang's
+default ``UnifiedRadixCache`` without a linker (the baseline), the same tree
+with this library's ``KvbmLinker`` (host tier on), and stock ``RadixCache``
+(for reference). Each request does to the cache what SGLang's scheduler does:
 
-    python benchmarks/critical_path.py                # ~30 s
+* every step: ``check_hicache_events`` (with a linker: finished offloads unlock their nodes),
+* ``match_prefix`` with the request, a lock on the match, ``evict`` when the pool is short,
+* with a lower-tier hit: ``init_load_back`` and ``ready_to_load_host_cache`` (the layer-wise
+  load starts) and, after the forward, ``finish_external_linker_loads``,
+* ``insert`` of its pages (the linker's write-through offload happens inside it), unlock,
+  ``take_events``.
+
+Only those calls are timed. Copies run on the linker's worker threads and are
+not counted, except the wait in ``finish_external_linker_loads``, reported on its
+own: in a server the forward runs while the layers load, and that wait is the
+part of the load the forward did not cover (here there is no forward, so it is
+the whole copy). Target: linker <= 1.10x the tree without it, without that wait.
+
+    python benchmarks/critical_path.py                # ~1 minute
     python benchmarks/critical_path.py --requests 4000 --pool 16384
 """
 
@@ -30,16 +39,18 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackPara
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+from sglang.srt.mem_cache.unified_cache.components import ComponentType
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 from common import save_plot, table, verdict
-from sglang_kvbm.backends.local.manager import LocalBlockManager
-from sglang_kvbm.core.connector import KvbmConnector
-from sglang_kvbm.integration.sglang.events import SglangEventSink
-from sglang_kvbm.integration.sglang.kv_pool import paged_layout
-from sglang_kvbm.integration.sglang.radix_cache import KvbmRadixCache
+from sglang_kvbm import KvbmConfig
+from sglang_kvbm.integration.sglang.custom import build_cache, ensure_runtime_context
 
 PAGE = 16
+KINDS = ("UnifiedRadixCache", "UnifiedRadixCache+KvbmLinker", "RadixCache")
+CALLS = ["check_hicache_events", "match_prefix", "init_load_back", "ready_to_load", "insert", "evict", "lock",
+         "unlock", "take_events"]
 
 
 def trace(requests: int, seed: int = 0):
@@ -66,37 +77,17 @@ def build(kind: str, pool_tokens: int, host_blocks: int):
         token_to_kv_pool_allocator=allocator,
         page_size=PAGE,
     )
+    ensure_runtime_context("cpu")
     if kind == "RadixCache":
-        return RadixCache(params), allocator
+        return RadixCache(params), allocator, None
     if kind == "UnifiedRadixCache":
-        from sglang.srt.mem_cache.unified_cache.components import ComponentType
-        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-
         params.tree_components = (ComponentType.FULL,)
-        return UnifiedRadixCache(params), allocator
-    layout = _TimedLayout(paged_layout(kvcache, PAGE))
-    sink = SglangEventSink()
-    connector = KvbmConnector(LocalBlockManager(layout, host_blocks), sink)
-    return KvbmRadixCache(params, connector, sink), allocator
+        return UnifiedRadixCache(params), allocator, None
+    cache = build_cache(params, KvbmConfig(cpu_cache_blocks=host_blocks))
+    return cache.tree, allocator, cache
 
 
-class _TimedLayout:
-    """The real layout; times its host->device copies (KV data moved on the scheduler thread)."""
-
-    def __init__(self, layout):
-        self._layout = layout
-        self.load_seconds = 0.0
-
-    def load(self, *args):
-        start = time.perf_counter()
-        self._layout.load(*args)
-        self.load_seconds += time.perf_counter() - start
-
-    def __getattr__(self, name):
-        return getattr(self._layout, name)
-
-
-def replay(cache, allocator, requests) -> dict[str, float]:
+def replay(cache, allocator, requests, linked: bool) -> dict[str, float]:
     spent: dict[str, float] = defaultdict(float)
 
     def timed(name, fn, *args):
@@ -107,25 +98,29 @@ def replay(cache, allocator, requests) -> dict[str, float]:
 
     hits = {"device": 0, "host": 0}
     for i, tokens in enumerate(requests):
+        if linked:
+            timed("check_hicache_events", cache.check_hicache_events)
         req = Req(f"r{i}", "", array("q", tokens), SamplingParams(max_new_tokens=1))
         key = RadixKey(array("q", tokens), limit=len(tokens) - 1)
         result = timed("match_prefix", cache.match_prefix, MatchPrefixParams(key=key, req=req))
         node = result.last_device_node
         prefix = cache.path_device_indices(node)[: result.device_prefix_len]
         hits["device"] += result.device_prefix_len
-        lock = timed("lock", cache.lock, node)
+        lock = timed("lock", cache.inc_lock_ref, node).to_dec_params()
+        loaded_slots = None
         if result.host_hit_length:
-            loaded = timed(
-                "init_load_back",
-                cache.init_load_back,
-                InitLoadBackParams(best_match_node=node, host_hit_length=result.host_hit_length, req=req),
-            )
-            if loaded and loaded[0]:
-                hits["host"] += loaded[0]
-                timed("unlock", cache.unlock, lock)
-                node = loaded[1]
-                lock = timed("lock", cache.lock, node)
-                prefix = cache.path_device_indices(node)
+            req.last_node = node
+            loaded, _ = timed("init_load_back", cache.init_load_back, InitLoadBackParams(
+                best_match_node=result.best_match_node, host_hit_length=result.host_hit_length, req=req))
+            if loaded:
+                loaded_slots = cache.linker.private_load_indices[req.rid]
+                timed("ready_to_load", cache.ready_to_load_host_cache)
+                if timed("finish_loads_wait", cache.finish_external_linker_loads, [req]):
+                    cache.token_to_kv_pool_allocator.free(loaded_slots)
+                    loaded_slots = None
+                else:
+                    hits["host"] += loaded
+                    prefix = torch.cat([prefix, loaded_slots])
         full = len(tokens) // PAGE * PAGE
         need = full - len(prefix)
         if need > 0:
@@ -133,17 +128,18 @@ def replay(cache, allocator, requests) -> dict[str, float]:
                 timed("evict", cache.evict, EvictParams(num_tokens=need - allocator.available_size()))
             fresh = allocator.alloc(need)
             if fresh is None:
-                timed("unlock", cache.unlock, lock)
+                timed("unlock", cache.dec_lock_ref, node, lock)
+                if loaded_slots is not None:
+                    allocator.free(loaded_slots)
                 continue
-            values = torch.cat([prefix.to(torch.int64), fresh.to(torch.int64)])
-            inserted = timed("insert", cache.insert, InsertParams(key=RadixKey(array("q", tokens[:full])), value=values))
-            if inserted.prefix_len > len(prefix):
-                allocator.free(fresh[: inserted.prefix_len - len(prefix)])
-        timed("unlock", cache.unlock, lock)
+            prefix = torch.cat([prefix.to(torch.int64), fresh.to(torch.int64)])
+        inserted = timed("insert", cache.insert, InsertParams(
+            key=RadixKey(array("q", tokens[: len(prefix)])), value=prefix, prev_prefix_len=result.device_prefix_len))
+        if inserted.prefix_len > result.device_prefix_len:  # duplicates of pages cached meanwhile
+            allocator.free(prefix[result.device_prefix_len : inserted.prefix_len])
+        timed("unlock", cache.dec_lock_ref, node, lock)
         timed("take_events", cache.take_events)
-    spent["total"] = sum(spent.values())
-    layout = getattr(getattr(cache, "connector", None), "_manager", None)
-    spent["kv_copy"] = layout.layout.load_seconds if layout is not None else 0.0
+    spent["total"] = sum(v for k, v in spent.items() if k != "finish_loads_wait")
     spent["device_hit_tokens"] = hits["device"]
     spent["host_hit_tokens"] = hits["host"]
     return spent
@@ -156,41 +152,35 @@ def main(argv=None) -> int:
     parser.add_argument("--host-blocks", type=int, default=4096)
     args = parser.parse_args(argv)
     requests = trace(args.requests)
-    total_tokens = sum(len(r) for r in requests)
-    print(f"# {len(requests)} requests, {total_tokens} prompt tokens, device pool {args.pool} tokens, page {PAGE}")
+    print(f"# {len(requests)} requests, {sum(map(len, requests))} prompt tokens, device pool {args.pool} tokens, "
+          f"page {PAGE}, host tier {args.host_blocks} blocks")
     results = {}
-    for kind in ("RadixCache", "UnifiedRadixCache", "KvbmRadixCache"):
-        try:
-            cache, allocator = build(kind, args.pool, args.host_blocks)
-        except Exception as exc:  # the default cache needs more of SGLang's runtime than a bare process has
-            print(f"# {kind}: not measured ({type(exc).__name__}: {exc})")
-            continue
-        replay(cache, allocator, requests[:50])  # warm up (hash extension, allocator paths)
-        cache, allocator = build(kind, args.pool, args.host_blocks)
-        results[kind] = replay(cache, allocator, requests)
-        if kind == "KvbmRadixCache":
-            cache.close()
-    base = results["RadixCache"]["total"]
-    calls = ["match_prefix", "init_load_back", "insert", "evict", "lock", "unlock", "take_events"]
+    for kind in KINDS:
+        linked = kind.endswith("KvbmLinker")
+        cache, allocator, owner = build(kind, args.pool, args.host_blocks)
+        replay(cache, allocator, requests[:50], linked)  # warm up (hash extension, allocator paths)
+        if owner is not None:
+            owner.close()
+        cache, allocator, owner = build(kind, args.pool, args.host_blocks)
+        results[kind] = replay(cache, allocator, requests, linked)
+        if owner is not None:
+            owner.close()
+    base = results["UnifiedRadixCache"]["total"]
     rows = []
     for kind, spent in results.items():
-        book = spent["total"] - spent["kv_copy"]
-        rows.append([kind, spent["total"] * 1e3, spent["total"] / base, spent["kv_copy"] * 1e3, book / base,
-                     book / len(requests) * 1e6, int(spent["device_hit_tokens"]), int(spent["host_hit_tokens"])]
-                    + [spent.get(c, 0.0) * 1e3 for c in calls])
-    print(table(["cache", "total ms", "vs RadixCache", "KV copies ms", "w/o copies vs RC", "us/request w/o copies",
-                 "device hit tok", "host hit tok"] + [f"{c} ms" for c in calls], rows))
-    ours = results["KvbmRadixCache"]
-    ratio = ours["total"] / base
-    book = (ours["total"] - ours["kv_copy"]) / base
-    print(f"\nKvbmRadixCache / RadixCache = {ratio:.2f} in all, {book:.2f} without the KV it copies back "
-          f"(the stock cache recomputes those {int(ours['host_hit_tokens'])} tokens on the GPU instead): "
-          f"target {verdict(book, 1.10)}")
+        rows.append([kind, spent["total"] * 1e3, spent["total"] / base, spent["total"] / len(requests) * 1e6,
+                     spent.get("finish_loads_wait", 0.0) * 1e3, int(spent["device_hit_tokens"]),
+                     int(spent["host_hit_tokens"])] + [spent.get(c, 0.0) * 1e3 for c in CALLS])
+    print(table(["cache", "total ms", "vs tree", "us/request", "load wait ms", "device hit tok", "host hit tok"]
+                + [f"{c} ms" for c in CALLS], rows))
+    ratio = results["UnifiedRadixCache+KvbmLinker"]["total"] / base
+    print(f"\nUnifiedRadixCache+KvbmLinker / UnifiedRadixCache = {ratio:.2f} in cache calls "
+          f"(without the load wait the forward covers): target {verdict(ratio, 1.10)}")
 
     def draw(ax):
         names = list(results)
         bottom = [0.0] * len(names)
-        for call in calls:
+        for call in CALLS:
             values = [results[n].get(call, 0.0) / len(requests) * 1e6 for n in names]
             ax.bar(names, values, bottom=bottom, label=call)
             bottom = [b + v for b, v in zip(bottom, values)]

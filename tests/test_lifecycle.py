@@ -66,9 +66,14 @@ def test_lru_evicts_least_recent_and_never_a_pinned_block():
     assert lru.pop_victim() == ("b", 1)
 
 
-def test_lru_victim_search_does_not_grow_with_pinned_blocks():
+def test_lru_walks_a_pinned_block_at_most_once_and_gives_up_at_once_when_all_are_pinned():
     lru = LruIndex()
-    n = 200_000
+    n = 100_000
     lru.add(range(n), range(n))
-    lru.pin(range(n - 1))  # all but the newest pinned
-    assert lru.pop_victim() == (n - 1, n - 1)  # found at once: pinned blocks are not in the eviction order
+    lru.pin(list(range(n - 1)))  # all but the newest pinned
+    assert lru.pop_victim() == (n - 1, n - 1)
+    assert [b for b, _ in lru.items()[:3]] == [0, 1, 2]  # the pinned ones, moved warm once, in order
+    assert lru.pinned_count() == n - 1
+    assert lru.pop_victim() is None  # every block pinned: no walk at all
+    lru.unpin([5])
+    assert lru.pop_victim() == (5, 5)

@@ -120,9 +120,8 @@ class KvbmConnector:
         """How many leading blocks the lower tiers can serve now (records KVBM's hit rates)."""
         if not block_ids:
             return 0
-        hit = self._manager.lookup(block_ids)
-        host, lower = self._manager.peek(block_ids[:hit]) if hit else (0, 0)
-        self.hit_rates.record(request, host, lower - host, len(block_ids))
+        hit, host = self._manager.lookup(block_ids)
+        self.hit_rates.record(request, host, hit - host, len(block_ids))
         self.stats.lookups += 1
         self.stats.lookup_hit_blocks += hit
         return hit

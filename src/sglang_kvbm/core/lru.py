@@ -1,93 +1,105 @@
 """The eviction policy of every tier: least recently used, pinned blocks exempt.
 
-One :class:`LruIndex` per tier maps each registered block to its slot. Its
-order is use order (a hit or a store makes a block most recent); the victim
-is the least recent block nobody pins. A pinned block (a copy reads its slot)
-leaves the order until its last pin goes, so finding a victim never walks
-past pinned blocks: every operation is O(1) per block.
+One :class:`LruIndex` per tier maps each registered block to its slot, in use
+order (a hit or a store makes a block most recent); the victim is the least
+recent block nobody pins. Pins are counts beside the order: a pinned block met
+at the cold end is moved to the warm end, so a victim search walks a pinned
+block at most once per pin (amortized O(1) per eviction), and a search with
+every block pinned returns at once. Membership and slot lookups are one
+dictionary operation per block, in C where a batch allows (``map``); nothing
+walks the tier.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Hashable, Iterable, Optional, Sequence
 
 
 class LruIndex:
     def __init__(self) -> None:
-        self._order: OrderedDict[Hashable, int] = OrderedDict()  # unpinned, first = least recent
-        self._pinned: dict[Hashable, list[int]] = {}  # block -> [slot, pins]
+        self._slots: OrderedDict[Hashable, int] = OrderedDict()  # first = least recent
+        self._pins: Counter = Counter()
+        self._pinned = 0  # blocks whose pin count is above zero
 
     def __len__(self) -> int:
-        return len(self._order) + len(self._pinned)
+        return len(self._slots)
 
     def __contains__(self, block_id: Hashable) -> bool:
-        return block_id in self._order or block_id in self._pinned
+        return block_id in self._slots
+
+    @property
+    def contains(self):
+        """The bound membership test, for ``map`` over a batch."""
+        return self._slots.__contains__
 
     def slot(self, block_id: Hashable) -> Optional[int]:
-        slot = self._order.get(block_id)
-        if slot is None:
-            pinned = self._pinned.get(block_id)
-            slot = None if pinned is None else pinned[0]
-        return slot
+        return self._slots.get(block_id)
 
     def slots(self, block_ids: Sequence[Hashable]) -> list[Optional[int]]:
-        return list(map(self.slot, block_ids))
+        return list(map(self._slots.get, block_ids))
 
     def add(self, block_ids: Iterable[Hashable], slots: Iterable[int]) -> None:
         """Register blocks as most recently used, in the given order."""
-        self._order.update(zip(block_ids, slots))
+        self._slots.update(zip(block_ids, slots))
 
-    def touch(self, block_ids: Iterable[Hashable]) -> None:
-        """Make these blocks (those not pinned) most recently used, the first one last."""
-        order = self._order
-        for block_id in reversed(list(block_ids)):
-            if block_id in order:
-                order.move_to_end(block_id)
+    def touch(self, block_ids: Sequence[Hashable]) -> None:
+        """Make these blocks most recently used, the first one last (a prefix's head outlives its tail)."""
+        move = self._slots.move_to_end
+        for block_id in reversed(block_ids):
+            if block_id in self._slots:
+                move(block_id)
 
-    def pin(self, block_ids: Iterable[Hashable]) -> list[int]:
+    def pin(self, block_ids: Sequence[Hashable]) -> list[int]:
         """Keep blocks from eviction while their slots are read; returns the slots. Every id must be held."""
-        out = []
+        slots = list(map(self._slots.__getitem__, block_ids))
+        pins = self._pins
         for block_id in block_ids:
-            entry = self._pinned.get(block_id)
-            if entry is None:
-                entry = self._pinned[block_id] = [self._order.pop(block_id), 0]
-            entry[1] += 1
-            out.append(entry[0])
-        return out
+            count = pins[block_id]
+            self._pinned += count <= 0
+            pins[block_id] = count + 1
+        return slots
 
-    def unpin(self, block_ids: Iterable[Hashable]) -> None:
-        """Release a pin; a block whose last pin goes is most recently used again."""
+    def unpin(self, block_ids: Sequence[Hashable]) -> None:
+        pins = self._pins
         for block_id in block_ids:
-            entry = self._pinned.get(block_id)
-            if entry is None:
-                continue
-            entry[1] -= 1
-            if entry[1] <= 0:
-                del self._pinned[block_id]
-                self._order[block_id] = entry[0]
+            count = pins.get(block_id)
+            if count:
+                pins[block_id] = count - 1
+                self._pinned -= count == 1
 
     def pinned(self, block_id: Hashable) -> bool:
-        return block_id in self._pinned
+        return self._pins.get(block_id, 0) > 0
 
     def pop_victim(self) -> Optional[tuple[Hashable, int]]:
-        """Remove and return the least recently used unpinned block, or None."""
-        if not self._order:
+        """Remove and return the least recently used unpinned block, or None if every block is pinned."""
+        slots, pins = self._slots, self._pins
+        if self._pinned >= len(slots):
             return None
-        return self._order.popitem(last=False)
+        for _ in range(len(slots)):
+            block_id = next(iter(slots))
+            count = pins.get(block_id)
+            if count is not None:
+                if count > 0:
+                    slots.move_to_end(block_id)  # in use: warm again, and not met again this search
+                    continue
+                del pins[block_id]  # a pin count that went back to zero
+            return block_id, slots.pop(block_id)
+        return None
 
     def remove(self, block_id: Hashable) -> Optional[int]:
         """Forget a block (pinned or not); returns its slot, or None if not held."""
-        slot = self._order.pop(block_id, None)
-        if slot is None:
-            entry = self._pinned.pop(block_id, None)
-            slot = None if entry is None else entry[0]
-        return slot
+        self._pinned -= self._pins.pop(block_id, 0) > 0
+        return self._slots.pop(block_id, None)
 
     def items(self) -> list[tuple[Hashable, int]]:
-        """Every held block with its slot, least recent first (pinned ones last)."""
-        return list(self._order.items()) + [(b, e[0]) for b, e in self._pinned.items()]
+        """Every held block with its slot, least recent first."""
+        return list(self._slots.items())
+
+    def pinned_count(self) -> int:
+        return self._pinned
 
     def clear(self) -> None:
-        self._order.clear()
-        self._pinned.clear()
+        self._slots.clear()
+        self._pins.clear()
+        self._pinned = 0

@@ -111,9 +111,9 @@ class BlockManager(Protocol):
       bytes are completely there; a ``STORED`` event reports it exactly then.
       A failed copy is never visible and never announced. A block whose parent
       is held nowhere below is not kept (it could never be hit).
-    * :meth:`lookup` counts how many leading ids the tiers can serve now, and
-      may start reading disk-resident ones into host staging. It reserves
-      nothing: :meth:`acquire` checks again.
+    * :meth:`lookup` counts how many leading ids the tiers can serve now (and
+      how many of those the host holds), and may start reading disk-resident
+      ones into host staging. It reserves nothing: :meth:`acquire` checks again.
     * :meth:`peek` answers, changing nothing, how many leading ids are in the
       host tier, and how many in host or disk.
     * :meth:`acquire` pins *all* the named blocks for a load, or none (None).
@@ -131,7 +131,7 @@ class BlockManager(Protocol):
 
     def store(self, request: StoreRequest) -> int: ...
 
-    def lookup(self, block_ids: Sequence[BlockId]) -> int: ...
+    def lookup(self, block_ids: Sequence[BlockId]) -> tuple[int, int]: ...
 
     def peek(self, block_ids: Sequence[BlockId]) -> tuple[int, int]: ...
 

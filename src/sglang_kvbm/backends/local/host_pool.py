@@ -45,6 +45,11 @@ class HostBlockPool:
     def registered(self, block_id: BlockId) -> bool:
         return block_id in self._index
 
+    @property
+    def contains(self):
+        """``registered`` as a C-level callable, for ``map`` over a prefix."""
+        return self._index.contains
+
     def rows(self, block_ids: Sequence[BlockId]) -> list[Optional[int]]:
         """The row of each registered block (None where not registered)."""
         return self._index.slots(block_ids)
@@ -156,7 +161,7 @@ class HostBlockPool:
         return {
             "capacity": self.capacity,
             "registered": len(self._index),
-            "pinned": sum(1 for b, _ in self._index.items() if self._index.pinned(b)),
+            "pinned": self._index.pinned_count(),
             "free": len(self._free),
             "in_flight": len(self._inflight),
             "orphaned": len(self._orphans),

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
+from itertools import compress
 import logging
 from collections import deque
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
@@ -26,6 +28,7 @@ from typing import Optional, Protocol, Sequence
 
 from sglang_kvbm.backends.local import copies
 from sglang_kvbm.backends.local.host_pool import HostBlockPool
+from sglang_kvbm.backends.local.lookups import LoadPlan, TierReads
 from sglang_kvbm.backends.local.read_staging import ReadStaging
 from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.offload_filter import FrequencyFilter
@@ -54,24 +57,6 @@ class _Job:
     future: Future
     host_rows: tuple[int, ...] = ()  # host -> disk: the pinned rows it reads
     metas: tuple[BlockMeta, ...] = ()  # host -> disk: known up front
-
-
-@dataclasses.dataclass
-class LoadPlan:
-    host_ids: list[BlockId]
-    host_rows: list[int]
-    host_positions: list[int]
-    staged_ids: list[BlockId]
-    staged_rows: list[int]
-    staged_positions: list[int]
-
-    @property
-    def host_blocks(self) -> int:
-        return len(self.host_ids)
-
-    @property
-    def disk_blocks(self) -> int:
-        return len(self.staged_ids)
 
 
 @dataclasses.dataclass
@@ -111,7 +96,7 @@ class LocalBlockManager:
         self._filter = offload_filter
         self.policy = policy
         self.observer = observer
-        self._load_timeout = load_timeout
+        self.stats = LocalStats()
         # One thread and one CUDA stream per copy path, made here, before any copy runs.
         self._offload = executor or ThreadPoolExecutor(1, thread_name_prefix="kvbm-offload")
         self._offload_stream = layout.new_stream()
@@ -126,6 +111,7 @@ class LocalBlockManager:
             on_read = policy.read.record if policy is not None else (lambda nbytes, seconds: None)
             blocks = staging_blocks or max(16, min(layout.num_pages, GIB // layout.block_bytes))
             self.staging = ReadStaging(layout, disk, blocks, self._reader, self._removed, self._observe, on_read)
+        self.reads = TierReads(layout, self.host, disk, self.staging, policy, self.stats, self._offer_to_disk, load_timeout)
         self._jobs: deque[_Job] = deque()  # device -> lower tier, in submission order
         self._writes: deque[_Job] = deque()  # host -> disk
         self._events: list[TierEvent] = []
@@ -133,7 +119,6 @@ class LocalBlockManager:
         self._parts: dict[int, list] = {}  # ticket -> [jobs left, every page held]
         self._done: list[tuple[int, bool]] = []
         self._generation = 0
-        self.stats = LocalStats()
         if disk is not None and len(disk):
             self._announce_restored(disk.registered_metas())
 
@@ -145,7 +130,7 @@ class LocalBlockManager:
         ids = request.block_ids
         host, disk = self.host, self.disk
         top = host if host is not None else disk
-        todo = [i for i, block_id in enumerate(ids) if not top.holds(block_id)]
+        todo = list(compress(range(len(ids)), map(operator.not_, map(top.holds, ids))))
         if todo and host is not None:
             rows, evicted = host.reserve([ids[i] for i in todo])
             self._removed(Tier.HOST, evicted)
@@ -289,93 +274,22 @@ class LocalBlockManager:
         else:
             self.disk.abort(job.slots)
 
-    # -- finding and loading ---------------------------------------------------------------
+    # -- finding and loading (see ``lookups``) --------------------------------------------
 
     def peek(self, block_ids: Sequence[BlockId]) -> tuple[int, int]:
-        host, disk = self.host, self.disk
-        host_run = lower_run = 0
-        in_host_prefix = True
-        for block_id in block_ids:
-            in_host = host is not None and host.registered(block_id)
-            if not in_host and not (disk is not None and disk.registered(block_id)):
-                break
-            in_host_prefix = in_host_prefix and in_host
-            host_run += in_host_prefix
-            lower_run += 1
-        return host_run, lower_run
+        return self.reads.peek(block_ids)
 
-    def lookup(self, block_ids: Sequence[BlockId]) -> int:
-        host, disk, staging = self.host, self.disk, self.staging
-        hit = 0
-        disk_only: list[BlockId] = []
-        first_disk: Optional[int] = None
-        for block_id in block_ids:
-            if host is None or not host.registered(block_id):
-                if disk is None or not (disk.registered(block_id) or staging.staged(block_id)):
-                    break
-                if first_disk is None:
-                    first_disk = hit
-                if len(disk_only) == staging.capacity:
-                    break  # no load can stage more than this at once
-                disk_only.append(block_id)
-            hit += 1
-        if disk_only and self.policy is not None and not self.policy.disk_pays(len(disk_only) * self.layout.page_size):
-            hit, disk_only = first_disk, []
-        if host is not None:
-            host.touch(block_ids[:hit])
-        if disk_only:
-            disk.touch(block_ids[:hit])
-            staging.prefetch([b for b in disk_only if disk.registered(b)])
-        return hit
+    def lookup(self, block_ids: Sequence[BlockId]) -> tuple[int, int]:
+        return self.reads.lookup(block_ids)
 
     def acquire(self, block_ids: Sequence[BlockId]) -> Optional[LoadPlan]:
-        host, staging = self.host, self.staging
-        host_rows = host.rows(block_ids) if host is not None else [None] * len(block_ids)
-        lower = [b for b, row in zip(block_ids, host_rows) if row is None]
-        if lower:
-            if staging is None:
-                return None
-            staging.prefetch([b for b in lower if self.disk.registered(b)])
-            if any(staging.reading(b) for b in lower):
-                self.stats.load_waits += 1
-                if not staging.wait(lower, self._load_timeout):
-                    logger.warning("kvbm: disk reads took over %.0f s; the request recomputes", self._load_timeout)
-                    return None
-            if not all(map(staging.staged, lower)):
-                return None
-        plan = LoadPlan([], [], [], [], [], [])
-        for position, (block_id, row) in enumerate(zip(block_ids, host_rows)):
-            if row is not None:
-                plan.host_ids.append(block_id)
-                plan.host_positions.append(position)
-            else:
-                plan.staged_ids.append(block_id)
-                plan.staged_positions.append(position)
-        if plan.host_ids:
-            plan.host_rows = host.pin(plan.host_ids)
-        if plan.staged_ids:
-            plan.staged_rows = staging.pool.pin(plan.staged_ids)
-        return plan
+        return self.reads.acquire(block_ids)
 
     def release(self, plan: LoadPlan, *, reused: bool = True) -> None:
-        """The copies of a load are over: unpin; a host hit is a reuse the disk filter counts."""
-        if plan.host_ids:
-            self.host.unpin(plan.host_ids)
-            self.host.release_orphans(plan.host_rows)
-            if reused and self.disk is not None:
-                self._offer_to_disk([self.host.meta_of(b) for b in plan.host_ids if self.host.registered(b)])
-        if plan.staged_ids:
-            self.staging.pool.unpin(plan.staged_ids)
-            self.staging.pool.release_orphans(plan.staged_rows)
+        self.reads.release(plan, reused=reused)
 
     def load_parts(self, plan: LoadPlan, pages) -> list:
-        """``(slab, rows, device pages, tier)`` of a plan, for :func:`copies.load_batch`; ``pages`` per position."""
-        parts = []
-        if plan.host_ids:
-            parts.append((self.host.slab, plan.host_rows, pages[plan.host_positions], Tier.HOST))
-        if plan.staged_ids:
-            parts.append((self.staging.pool.slab, plan.staged_rows, pages[plan.staged_positions], Tier.DISK))
-        return parts
+        return self.reads.load_parts(plan, pages)
 
     # -- the rest of the port --------------------------------------------------------------
 

@@ -69,7 +69,8 @@ def build_cache(
     ensure_runtime_context(str(kvcache.device))
     params.tree_components = (ComponentType.FULL,)
     tree = UnifiedRadixCache(params)
-    extra = {"config": config, "identity": identity or Identity(), "offload_executor": offload_executor}
+    # Without an identity, the disk tier's names this pool's shape and this process's ranks (from params' groups).
+    extra = {"config": config, "identity": identity, "offload_executor": offload_executor}
     linker = KvbmLinker(None, params, components={ComponentType.FULL}, extra_config=extra)
     tree.init_cache_linker(linker)  # adopting it attaches the linker to this tree (see hooks)
     kvcache.register_layer_transfer_counter(linker.layer_done_counter)

@@ -103,7 +103,7 @@ class KvbmLinker(UnifiedCacheLinker):
     def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
         keys = _kv(transfers).keys or []
         hit = self.connector.lookup(rid, keys)
-        return list(range(1, hit + 1))
+        return restorable_lengths(hit, self.setup.ranks_agreeing > 1)
 
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
         kv = _kv(transfers)
@@ -269,6 +269,24 @@ class KvbmLinker(UnifiedCacheLinker):
         from sglang_kvbm.integration.sglang.endpoint import metrics_of
 
         return metrics_of(self.connector.snapshot())
+
+
+def restorable_lengths(hit: int, across_ranks: bool) -> list[int]:
+    """The prefix lengths (pages) a load can restore, for SGLang to intersect across ranks.
+
+    Every length up to ``hit`` is restorable (full-attention pages only). A lone
+    rank needs just ``hit``; ranks that must agree get the last 32 lengths and
+    every power of two below, so their intersection (SGLang's MIN-reduce over a
+    mask it fills one entry per length) finds a common length near the shortest
+    rank's hit without a per-page list.
+    """
+    if not hit:
+        return []
+    if not across_ranks:
+        return [hit]
+    near = range(max(1, hit - 31), hit + 1)
+    powers = (1 << k for k in range(hit.bit_length()) if (1 << k) < near.start)
+    return [*powers, *near]
 
 
 def _kv(transfers: list[PoolTransfer]) -> PoolTransfer:

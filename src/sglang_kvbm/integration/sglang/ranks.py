@@ -32,6 +32,7 @@ class LinkerSetup:
     tp_size: int = 1
     dp_rank: int = 0
     serves_endpoint: bool = True
+    ranks_agreeing: int = 1  # attention ranks SGLang intersects lookups across
 
 
 def check_components(components, params) -> None:
@@ -88,4 +89,6 @@ def setup_of(server_args: Any, params, extra_config: Mapping[str, Any]) -> Linke
                     "kv_cache_dtype": str(getattr(server_args, "kv_cache_dtype", None))}
     identity = extra_config.get("identity") or Identity(model_path, revision, settings, ranks, download_dir)
     serves = tp_rank == 0 and params.pp_rank == 0 and params.attn_cp_rank == 0
-    return LinkerSetup(config, identity, tp_rank, tp_size, dp_rank, serves)
+    agreeing = _group_rank(params.attn_tp_cache_group)[1] * _group_rank(params.attn_cp_cache_group)[1]
+    agreeing = agreeing if agreeing > 1 else _group_rank(params.tp_cache_group)[1]
+    return LinkerSetup(config, identity, tp_rank, tp_size, dp_rank, serves, agreeing)

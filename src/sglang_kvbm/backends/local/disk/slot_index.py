@@ -42,6 +42,10 @@ class DiskSlotIndex:
     def registered(self, block_id: BlockId) -> bool:
         return block_id in self._index
 
+    @property
+    def contains(self):
+        return self._index.contains
+
     def slot(self, block_id: BlockId) -> Optional[int]:
         return self._index.slot(block_id)
 

@@ -115,6 +115,11 @@ class DiskStore:
     def registered(self, block_id: BlockId) -> bool:
         return self._index.registered(block_id)
 
+    @property
+    def contains(self):
+        """``registered`` as a C-level callable, for ``map`` over a prefix."""
+        return self._index.contains
+
     def touch(self, block_ids: Sequence[BlockId]) -> None:
         self._index.touch(block_ids)
 

@@ -1,0 +1,149 @@
+"""Reading the tiers for a request: what they hold of a prefix, and pinning it for a load.
+
+Scheduler thread only. Membership over a whole prefix is one C-level ``map``
+per tier (no Python loop per page); the onboard policy decides whether a span
+that only the disk holds is worth reading; disk blocks are read into verified
+staging (``read_staging``) as soon as a lookup finds them, and a load waits
+only for reads still in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+from typing import Callable, Optional, Sequence
+
+from sglang_kvbm.core.identity import BlockId
+from sglang_kvbm.core.tiers import Tier
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class LoadPlan:
+    """Blocks pinned for one load: host rows, and staging rows holding verified disk blocks."""
+
+    host_ids: list[BlockId]
+    host_rows: list[int]
+    host_positions: list[int]
+    staged_ids: list[BlockId]
+    staged_rows: list[int]
+    staged_positions: list[int]
+
+    @property
+    def host_blocks(self) -> int:
+        return len(self.host_ids)
+
+    @property
+    def disk_blocks(self) -> int:
+        return len(self.staged_ids)
+
+
+def _run(flags: list) -> int:
+    """Length of the leading run of true flags."""
+    try:
+        return flags.index(False)
+    except ValueError:
+        return len(flags)
+
+
+class TierReads:
+    def __init__(self, layout, host, disk, staging, policy, stats, offer_to_disk: Callable, load_timeout: float):
+        self._layout = layout
+        self._host, self._disk, self._staging = host, disk, staging
+        self._policy = policy
+        self._stats = stats
+        self._offer_to_disk = offer_to_disk
+        self._load_timeout = load_timeout
+
+    def _flags(self, block_ids: Sequence[BlockId]) -> tuple[list, list]:
+        """Per block: in host (registered), and in host or readable from disk (registered or staged)."""
+        n = len(block_ids)
+        host = list(map(self._host.contains, block_ids)) if self._host is not None else [False] * n
+        if self._disk is None:
+            return host, host
+        on_disk = map(operator.or_, map(self._disk.contains, block_ids), map(self._staging.pool.contains, block_ids))
+        return host, list(map(operator.or_, host, on_disk))
+
+    def peek(self, block_ids: Sequence[BlockId]) -> tuple[int, int]:
+        if not block_ids:
+            return 0, 0
+        host, lower = self._flags(block_ids)
+        return _run(host), _run(lower)
+
+    def lookup(self, block_ids: Sequence[BlockId]) -> tuple[int, int]:
+        """``(leading blocks servable now, of which in host)``; starts reading the disk-only ones."""
+        if not block_ids:
+            return 0, 0
+        host, lower = self._flags(block_ids)
+        hit = _run(lower)
+        host_run = _run(host[:hit])
+        disk_only = hit - sum(host[:hit])
+        if disk_only:
+            if disk_only > self._staging.capacity:  # no load can stage more than this at once
+                hit, seen = 0, 0
+                while seen < self._staging.capacity or host[hit]:
+                    seen += not host[hit]
+                    hit += 1
+                disk_only = seen
+            if self._policy is not None and not self._policy.disk_pays(disk_only * self._layout.page_size):
+                hit = host_run
+                disk_only = 0
+        if self._host is not None:
+            self._host.touch(block_ids[:hit])
+        if disk_only:
+            self._disk.touch(block_ids[:hit])
+            wanted = [b for b, in_host in zip(block_ids[:hit], host) if not in_host]
+            self._staging.prefetch([b for b in wanted if self._disk.registered(b)])
+        return hit, host_run
+
+    def acquire(self, block_ids: Sequence[BlockId]):
+        host, staging = self._host, self._staging
+        host_rows = host.rows(block_ids) if host is not None else [None] * len(block_ids)
+        lower = [b for b, row in zip(block_ids, host_rows) if row is None]
+        if lower:
+            if staging is None:
+                return None
+            staging.prefetch([b for b in lower if self._disk.registered(b)])
+            if any(map(staging.reading, lower)):
+                self._stats.load_waits += 1
+                if not staging.wait(lower, self._load_timeout):
+                    logger.warning("kvbm: disk reads took over %.0f s; the request recomputes", self._load_timeout)
+                    return None
+            if not all(map(staging.staged, lower)):
+                return None
+        plan = LoadPlan([], [], [], [], [], [])
+        for position, (block_id, row) in enumerate(zip(block_ids, host_rows)):
+            if row is not None:
+                plan.host_ids.append(block_id)
+                plan.host_positions.append(position)
+            else:
+                plan.staged_ids.append(block_id)
+                plan.staged_positions.append(position)
+        if plan.host_ids:
+            plan.host_rows = host.pin(plan.host_ids)
+        if plan.staged_ids:
+            plan.staged_rows = staging.pool.pin(plan.staged_ids)
+        return plan
+
+    def release(self, plan: LoadPlan, *, reused: bool = True) -> None:
+        """The copies of a load are over: unpin; a host hit is a reuse the disk filter counts."""
+        host = self._host
+        if plan.host_ids:
+            host.unpin(plan.host_ids)
+            host.release_orphans(plan.host_rows)
+            if reused and self._disk is not None:
+                self._offer_to_disk([host.meta_of(b) for b in plan.host_ids if host.registered(b)])
+        if plan.staged_ids:
+            self._staging.pool.unpin(plan.staged_ids)
+            self._staging.pool.release_orphans(plan.staged_rows)
+
+    def load_parts(self, plan: LoadPlan, pages) -> list:
+        """``(slab, rows, device pages, tier)`` of a plan, for ``copies.load_batch``; ``pages`` per position."""
+        parts = []
+        if plan.host_ids:
+            parts.append((self._host.slab, plan.host_rows, pages[plan.host_positions], Tier.HOST))
+        if plan.staged_ids:
+            parts.append((self._staging.pool.slab, plan.staged_rows, pages[plan.staged_positions], Tier.DISK))
+        return parts
