@@ -96,6 +96,12 @@ _VARS: tuple[_Var, ...] = (
         _priority,
         "requests below this priority (0-100) are not offloaded to host",
     ),
+    _Var(
+        "DYN_KVBM_CACHE_STATS_MAX_REQUESTS",
+        "cache_stats_max_requests",
+        _positive_int,
+        "requests in the sliding window of the host and disk hit rates (default 1000)",
+    ),
 )
 _BY_ENV = {v.env: v for v in _VARS}
 
@@ -166,6 +172,7 @@ class KvbmConfig:
     http_host: str = "127.0.0.1"
     router_block_size: Optional[int] = None
     host_offload_min_priority: int = 0
+    cache_stats_max_requests: int = 1000
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "KvbmConfig":

@@ -2,17 +2,24 @@
 
 KVBM's own counters (``kvbm_offload_blocks_d2h`` ...) are exported under their
 exact names, without the ``_total`` suffix the Python client would add (KVBM's
-Rust exporter adds none), as untyped samples read from the live counters at
-scrape time: nothing is counted twice and nothing runs on the hot path. This
-library's own additions (transfer times and bytes per path, tier occupancy,
-verification failures) are ordinary Prometheus families.
+Rust exporter adds none), as untyped samples read from the snapshot the
+scheduler publishes: nothing is counted twice and nothing runs on the hot path.
+This library's own additions are exported the same way where they are counts
+(``kvbm_transfer_bytes`` per path, tier occupancy, verification failures); the
+transfer durations are an ordinary Prometheus histogram.
+
+The hit rates are KVBM's: over the last ``DYN_KVBM_CACHE_STATS_MAX_REQUESTS``
+requests (1000), the blocks each request looked up below the device that the
+host (resp. disk) tier held, over the blocks looked up (``core/hit_rate.py``).
 """
 
 from __future__ import annotations
 
 from typing import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+import threading
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 # KVBM's names (lib/runtime metrics, "kvbm" namespace) and their meaning.
@@ -41,13 +48,15 @@ class KvbmMetrics:
         self._seconds = Histogram(
             "kvbm_transfer_seconds", "Duration of one tier transfer", ["path"], registry=self.registry, buckets=_BUCKETS
         )
-        self._bytes = Counter("kvbm_transfer_bytes", "Bytes moved between tiers", ["path"], registry=self.registry)
+        self._bytes = dict.fromkeys(TRANSFER_PATHS, 0)
+        self._lock = threading.Lock()
         self.registry.register(self)
 
     def observe(self, path: str, nbytes: int, seconds: float) -> None:
-        """A transfer finished (called by the block manager; cheap)."""
+        """A transfer finished (called from the scheduler and the copy threads; cheap)."""
         self._seconds.labels(path).observe(seconds)
-        self._bytes.labels(path).inc(nbytes)
+        with self._lock:
+            self._bytes[path] = self._bytes.get(path, 0) + nbytes
 
     def collect(self) -> Iterable[Metric]:
         snap = self._snapshot()
@@ -57,6 +66,11 @@ class KvbmMetrics:
             yield metric
         for name, doc in KVBM_GAUGES.items():
             yield GaugeMetricFamily(name, doc, value=float(snap.get(name, 0.0)))
+        moved = Metric("kvbm_transfer_bytes", "Bytes moved between tiers, per path", "unknown")
+        with self._lock:
+            for path, nbytes in self._bytes.items():
+                moved.add_sample("kvbm_transfer_bytes", {"path": path}, float(nbytes))
+        yield moved
         blocks = GaugeMetricFamily("kvbm_tier_blocks", "Blocks a tier holds", labels=["tier"])
         capacity = GaugeMetricFamily("kvbm_tier_capacity_blocks", "Blocks a tier can hold", labels=["tier"])
         used = GaugeMetricFamily("kvbm_tier_bytes", "Bytes of KV a tier holds", labels=["tier"])

@@ -16,8 +16,9 @@ only (any other linker passes through untouched):
   ``counter.attach_worker(worker)``: the disk onboarding policy times prefill
   on *that* worker instance.
 
-Installed by the linker's constructor, in the scheduler process, before SGLang
-calls either method; installing twice is a no-op.
+Installed when the linker module is imported (in the scheduler process, SGLang
+imports it to build the linker), so before SGLang calls either method;
+installing twice is a no-op.
 """
 
 from __future__ import annotations

@@ -46,6 +46,9 @@ from sglang_kvbm.integration.sglang.tier_query import TierQueries, TierTokens, t
 from sglang_kvbm.integration.sglang.worker_counter import KvbmLayerCounter
 
 logger = logging.getLogger(__name__)
+# Installed when this module is imported (SGLang imports it to build the linker, before adopting it), not in a
+# linker's constructor: resolving the hook targets keeps import frames alive, which would pin that linker.
+hooks.install()
 PUBLISH_INTERVAL_S = 0.05  # how fresh /stats and /metrics are
 
 
@@ -53,7 +56,6 @@ class KvbmLinker(UnifiedCacheLinker):
     def __init__(self, server_args, params, *, components=(), extra_config=None, forward_stream=None) -> None:
         check_installed_sglang()
         check_components(components, params)
-        hooks.install()  # before SGLang adopts this linker and registers its counter
         self.forward_stream = forward_stream
         self.page_size = params.page_size
         self.setup: LinkerSetup = setup_of(server_args, params, extra_config or {})
@@ -79,7 +81,7 @@ class KvbmLinker(UnifiedCacheLinker):
         self.layout, self.manager, self.policy = tiers.layout, tiers.manager, tiers.policy
         self.connector = KvbmConnector(
             self.manager, self.sink, page_size=params.page_size,
-            min_offload_priority=config.host_offload_min_priority, hit_rate_window=getattr(config, "cache_stats_max_requests", 1000),
+            min_offload_priority=config.host_offload_min_priority, hit_rate_window=config.cache_stats_max_requests,
         )
         self.pools = {PoolName.KV: params.token_to_kv_pool_allocator.get_kvcache()}
         self.layer_done_counter = KvbmLayerCounter(self.layout.num_layers, self.policy)

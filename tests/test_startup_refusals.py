@@ -1,0 +1,113 @@
+"""What the linker refuses at start-up, each with the reason, and what a closed cache leaves behind."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+import sglang_kvbm.integration.sglang.linker  # noqa: F401  (see test_a_closed_cache_is_collected_with_its_slab)
+from conftest import build_stack
+from sglang_kvbm.config import ConfigError
+from sglang_kvbm.integration.sglang.kv_pool import UnsupportedPoolError, paged_layout
+from sglang_kvbm.integration.sglang.ranks import check_components
+
+
+class _Params:
+    is_eagle = False
+    mtp_draft_device_pools = ()
+    sidecar_draft_device_pools = ()
+
+
+@pytest.mark.parametrize("component,word", [(ComponentType.SWA, "SWA"), (ComponentType.MAMBA, "MAMBA")])
+def test_hybrid_models_are_refused_naming_the_state_the_tiers_do_not_hold(component, word):
+    with pytest.raises(UnsupportedPoolError, match=f"{word}.*run it without --radix-cache-backend kvbm"):
+        check_components({ComponentType.FULL, component}, _Params())
+
+
+def test_speculative_draft_kv_is_refused():
+    params = _Params()
+    params.is_eagle = True
+    with pytest.raises(UnsupportedPoolError, match="draft KV"):
+        check_components({ComponentType.FULL}, params)
+
+
+def test_quantized_kv_pools_are_refused():
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    pool = MHATokenToKVPool(16, 4, torch.float32, 1, 8, 1, "cpu", False)
+    pool.quant_method = object()  # SGLang reports a pool quantized when its method is not the identity one
+    assert pool.is_quantized_kv_cache
+    with pytest.raises(UnsupportedPoolError, match="quantized KV"):
+        paged_layout(pool, 4)
+
+
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (dict(disable_radix_cache=True), "--disable-radix-cache"),
+        (dict(enable_hierarchical_cache=True), "--enable-hierarchical-cache"),
+        (dict(hicache_storage_backend="file"), "--hicache-storage-backend"),
+        (dict(unified_cache_external_linker_config={"linker": "Other", "linker_module_path": "x"}),
+         "--unified-cache-external-linker-config"),
+    ],
+)
+def test_conflicting_cache_flags_stop_the_launcher(flags, needle, monkeypatch):
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_kvbm.integration.sglang.flags import translate
+
+    monkeypatch.setenv("DYN_KVBM_CPU_CACHE_GB", "1")
+    args = ServerArgs(model_path="dummy", radix_cache_backend="kvbm", **flags)
+    with pytest.raises(ConfigError, match=needle):
+        translate(args)
+
+
+def test_the_flag_becomes_the_linker_on_the_default_tree(monkeypatch):
+    from sglang.srt.arg_groups.overrides import resolving_view
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_kvbm.integration.sglang.flags import translate
+
+    monkeypatch.setenv("DYN_KVBM_CPU_CACHE_GB", "1")
+    args = ServerArgs(model_path="dummy", radix_cache_backend="kvbm")
+    translate(args)
+    view = resolving_view(args)
+    assert view.radix_cache_backend is None and view.enable_unified_cache_external_linker
+    assert view.unified_cache_external_linker_backend == "dynamic"
+    assert view.unified_cache_external_linker_config["linker"] == "KvbmLinker"
+
+
+def test_no_tier_stops_the_launcher(monkeypatch):
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_kvbm.integration.sglang.flags import translate
+
+    for name in ("DYN_KVBM_CPU_CACHE_GB", "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "DYN_KVBM_DISK_CACHE_GB",
+                 "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ConfigError, match="DYN_KVBM_CPU_CACHE_GB"):
+        translate(ServerArgs(model_path="dummy", radix_cache_backend="kvbm"))
+
+
+def test_a_closed_cache_is_collected_with_its_slab():
+    """No atexit or other global keeps a closed cache (and its pinned host slab) alive.
+
+    SGLang's first import of its model worker module keeps the importing frames
+    alive for good (measured: pkgutil.resolve_name of a tp_worker attribute pins
+    its caller's locals once per process); the linker module makes that import
+    when it is imported, which this file does at module level, so no cache is
+    on the stack then.
+    """
+    stack = build_stack()
+    stack.insert(list(range(16)), seed=1)
+    stack.settle()
+    linker = weakref.ref(stack.linker)
+    slab = weakref.ref(stack.manager.host.slab)
+    stack.cache.close()
+    del stack
+    gc.collect()
+    assert linker() is None and slab() is None
