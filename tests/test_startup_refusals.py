@@ -111,3 +111,21 @@ def test_a_closed_cache_is_collected_with_its_slab():
     del stack
     gc.collect()
     assert linker() is None and slab() is None
+
+
+@pytest.mark.parametrize("endpoint,warned", [("tcp://127.0.0.1:5557", True), ("tcp://*:5557", False)])
+def test_under_dynamo_a_non_wildcard_events_host_is_warned_about(endpoint, warned, monkeypatch, caplog):
+    import sys
+    import types
+
+    from sglang_kvbm.integration.sglang.flags import warn_if_dynamo_will_not_connect
+
+    monkeypatch.delenv("SGLANG_HOST_IP", raising=False)
+    events = {"publisher": "zmq", "endpoint": endpoint, "bind": True}
+    warn_if_dynamo_will_not_connect(events)  # plain SGLang: nothing to say
+    assert "subscribe at this machine's IP" not in caplog.text
+    monkeypatch.setitem(sys.modules, "dynamo.sglang", types.ModuleType("dynamo.sglang"))
+    warn_if_dynamo_will_not_connect(events)
+    assert ("subscribe at this machine's IP" in caplog.text) is warned
+    if warned:
+        assert "tcp://*:5557" in caplog.text and "SGLANG_HOST_IP=127.0.0.1" in caplog.text

@@ -61,7 +61,8 @@ def translate(server_args: Any) -> None:
         )
     check_installed_sglang()
     KvbmConfig.from_sources(json_text=kvbm_config).require_a_tier()
-    check_kv_events_config(cfg.kv_events_config, cfg.page_size or 1)  # the page size may not be resolved yet
+    events = check_kv_events_config(cfg.kv_events_config, cfg.page_size or 1)  # the page size may be unresolved yet
+    warn_if_dynamo_will_not_connect(events)
     declare_resolution(
         server_args,
         SOURCE,
@@ -69,6 +70,34 @@ def translate(server_args: Any) -> None:
         enable_unified_cache_external_linker=True,
         unified_cache_external_linker_backend="dynamic",
         unified_cache_external_linker_config=linker_config(kvbm_config),
+    )
+
+
+_WILDCARDS = ("*", "0.0.0.0", "::", "[::]")
+
+
+def warn_if_dynamo_will_not_connect(events: Optional[dict]) -> None:
+    """Under ``dynamo.sglang``, a non-wildcard events host is connected to at this machine's IP, not that host.
+
+    Dynamo's worker (``dynamo/sglang/publisher.py``, ``kv_event_connect_ip``) subscribes at
+    127.0.0.1 only for a wildcard bind; for any other host it uses ``get_local_ip_auto()``,
+    so with ``tcp://127.0.0.1:P`` the router receives no events at all, and nothing says so.
+    """
+    import logging
+    import os
+    import sys
+    from urllib.parse import urlsplit
+
+    if events is None or "dynamo.sglang" not in sys.modules:
+        return
+    parts = urlsplit(events["endpoint"])
+    host = parts.hostname or ""
+    if parts.scheme != "tcp" or host in _WILDCARDS or os.environ.get("SGLANG_HOST_IP") == host:
+        return
+    logging.getLogger(__name__).warning(
+        "kvbm: --kv-events-config endpoint %s names host %r: Dynamo's worker will subscribe at this machine's "
+        "IP instead, and its router will receive no KV events. Use tcp://*:%s, or set SGLANG_HOST_IP=%s",
+        events["endpoint"], host, parts.port, host,
     )
 
 
