@@ -51,6 +51,7 @@ def write_blocks(
     rows: Sequence[torch.Tensor],
     header_buffer: torch.Tensor,
     chunk: int,
+    depth: int,
 ) -> list[BlockHeader]:
     """Write each block's header and bytes into its reserved slot; raises :class:`DiskIOError` on any failure."""
     headers: list[BlockHeader] = []
@@ -59,7 +60,7 @@ def write_blocks(
 
     def prepare(k: int):
         local, remote = [], []
-        base = (k % 2) * chunk  # two chunks in flight: alternate halves of the header buffer
+        base = (k % depth) * chunk  # `depth` chunks in flight, each with its own part of the header buffer
         for i in range(k * chunk, min(len(reserved), (k + 1) * chunk)):
             header = BlockHeader.of(metas[i], checksum(rows[i]), store.fingerprint)
             try:
@@ -74,7 +75,7 @@ def write_blocks(
         if error is not None:
             failure.append(error)
 
-    store.io.pipeline("WRITE", count, prepare, done)
+    store.io.pipeline("WRITE", count, prepare, done, depth=depth)
     if failure:
         store.stats.write_failures += 1
         raise failure[0]
@@ -89,6 +90,7 @@ def read_blocks(
     data_rows: Sequence[torch.Tensor],
     header_rows: Sequence[torch.Tensor],
     chunk: int,
+    depth: int,
 ) -> list[tuple[int, str]]:
     """Read blocks into host rows and verify them; ``(index, reason)`` of every block that failed."""
     import time
@@ -121,7 +123,7 @@ def read_blocks(
                 if reason is not None:
                     failed[i] = reason
 
-    store.io.pipeline("READ", count, lambda k: prepare_rows(span(k)), done)
+    store.io.pipeline("READ", count, lambda k: prepare_rows(span(k)), done, depth=depth)
     store.stats.reads += 1
     store.stats.read_blocks += len(entries) - len(failed)
     store.stats.read_bytes += len(entries) * store.slot_bytes

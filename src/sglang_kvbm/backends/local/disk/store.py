@@ -36,8 +36,10 @@ from sglang_kvbm.kv_layout import aligned_empty
 
 logger = logging.getLogger(__name__)
 
-WRITE_CHUNK_BLOCKS = 32  # blocks per NIXL write; writes keep two chunks in flight
-READ_CHUNK_BYTES = 8 << 20  # per NIXL read; reads keep two chunks in flight
+# Transfers of about 8 MiB, four in flight each way: what the disk's own limit was measured with
+# (benchmarks/tier_io.py), so while one chunk moves the next is prepared and the last one checked.
+CHUNK_BYTES = 8 << 20
+DEPTH = 4
 
 
 class Reservation(NamedTuple):
@@ -87,11 +89,11 @@ class DiskStore:
         self._holds: dict[int, tuple] = {}  # reservation slot -> segments held by its write
         self._retired: list[BlockMeta] = []
         self._owners: dict[str, int] = {}  # "write"/"read" -> the one thread allowed to use its buffers
-        self._write_headers = aligned_empty((2 * WRITE_CHUNK_BLOCKS, self.header_bytes))
-        self.write_staging = aligned_empty((WRITE_CHUNK_BLOCKS, block_bytes))  # device -> disk goes through it
+        self.chunk_blocks = max(1, min(256, CHUNK_BYTES // self.slot_bytes))
+        self._write_headers = aligned_empty((DEPTH * self.chunk_blocks, self.header_bytes))
+        self.write_staging = aligned_empty((self.chunk_blocks, block_bytes))  # device -> disk goes through it
         for tensor in (self._write_headers, self.write_staging):
             self.io.register_memory(tensor)
-        self.read_chunk = max(1, min(256, READ_CHUNK_BYTES // self.slot_bytes))
 
     @staticmethod
     def header_bytes_for(page_size: int) -> int:
@@ -215,13 +217,13 @@ class DiskStore:
     def write(self, reserved: Sequence[Reservation], metas: Sequence[BlockMeta], rows: Sequence[torch.Tensor]) -> list[BlockHeader]:
         """Write blocks from host rows (the writer thread). Returns their headers; raises :class:`DiskIOError`."""
         self._owned("write")
-        return write_blocks(self, reserved, metas, rows, self._write_headers, WRITE_CHUNK_BLOCKS)
+        return write_blocks(self, reserved, metas, rows, self._write_headers, self.chunk_blocks, DEPTH)
 
     def read(self, entries: Sequence[DiskEntry], data_rows: Sequence[torch.Tensor],
              header_rows: Sequence[torch.Tensor]) -> list[tuple[int, str]]:
         """Read and verify blocks into host rows (the reader thread); ``(index, reason)`` of those that failed."""
         self._owned("read")
-        return read_blocks(self, entries, data_rows, header_rows, self.read_chunk)
+        return read_blocks(self, entries, data_rows, header_rows, self.chunk_blocks, DEPTH)
 
     def close(self) -> None:
         self._journal.close(self._index.entries())
