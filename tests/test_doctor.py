@@ -6,12 +6,11 @@ import sys
 
 import pytest
 
+from permissions import make_unwritable, make_writable
 from sglang_kvbm import doctor as doctor_module
 from sglang_kvbm.config import ConfigError
 from sglang_kvbm.doctor import diagnose
 from sglang_kvbm.versions import SUPPORTED_SGLANG, check_sglang_version
-
-from permissions import make_unwritable, make_writable
 
 
 def doctor(env_extra, *args):

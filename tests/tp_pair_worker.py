@@ -9,14 +9,13 @@ tree and KvbmLinker, each rank's own KV shard (different bytes per rank).
 import json
 import os
 import sys
-from array import array
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from conftest import Stack, make_req  # noqa: E402
+from conftest import Stack  # noqa: E402
 
 
 def main(rank: int, port: int, out: str, disk_root: str) -> None:
@@ -24,10 +23,8 @@ def main(rank: int, port: int, out: str, disk_root: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     group = dist.group.WORLD
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-    from sglang.srt.mem_cache.radix_cache import RadixKey
 
     from sglang_kvbm.config import KvbmConfig
     from sglang_kvbm.integration.sglang.custom import build_cache

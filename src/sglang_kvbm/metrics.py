@@ -15,9 +15,8 @@ host (resp. disk) tier held, over the blocks looked up (``core/hit_rate.py``).
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
-
 import threading
+from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric

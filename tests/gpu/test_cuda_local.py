@@ -61,8 +61,8 @@ def test_pinned_slab_is_page_locked_aligned_and_copies_from_it_are_asynchronous(
 def test_every_copy_worker_has_its_own_stream_made_before_it_starts():
     _, layout = cuda_layout(pages=8)
     manager = LocalBlockManager(layout, 16, pin=True)
-    assert isinstance(manager._offload_stream, torch.cuda.Stream)
-    assert manager._offload_stream != torch.cuda.current_stream()
+    assert isinstance(manager.offloads._offload_stream, torch.cuda.Stream)
+    assert manager.offloads._offload_stream != torch.cuda.current_stream()
     manager.close()
 
 

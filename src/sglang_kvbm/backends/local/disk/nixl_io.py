@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import os
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 from sglang_kvbm.config import ConfigError
 

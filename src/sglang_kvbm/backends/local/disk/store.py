@@ -14,7 +14,6 @@ invalidated and reported; the caller turns it into a miss.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 from typing import NamedTuple, Optional, Sequence
@@ -22,11 +21,11 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from sglang_kvbm.backends.local.disk import directory as identity_dir
+from sglang_kvbm.backends.local.disk.block_io import DiskStats, read_blocks, write_blocks
 from sglang_kvbm.backends.local.disk.journal import IndexJournal
 from sglang_kvbm.backends.local.disk.nixl_io import DiskIOError, NixlFileIO
 from sglang_kvbm.backends.local.disk.segments import SegmentFiles
 from sglang_kvbm.backends.local.disk.slot_index import DiskSlotIndex
-from sglang_kvbm.backends.local.disk.block_io import DiskStats, read_blocks, write_blocks
 from sglang_kvbm.backends.local.disk_format import HEADER_BYTES, BlockHeader
 from sglang_kvbm.backends.local.disk_setup import DiskProbe
 from sglang_kvbm.core.identity import BlockId
