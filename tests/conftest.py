@@ -171,7 +171,10 @@ def build_stack(
     dynamo_format: bool = False,
     lora_names=None,
     disable_filter: bool = True,
+    identity=None,
+    config: Optional[dict] = None,
 ) -> Stack:
+    """``identity`` names the server the disk tier belongs to; ``config`` sets further KvbmConfig fields."""
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.events import KvEventLoraNames
@@ -196,14 +199,15 @@ def build_stack(
         dynamo_kv_event_format=dynamo_format,
         kv_event_lora_names=lora_names or KvEventLoraNames(),
     )
-    config = KvbmConfig(
+    kvbm_config = KvbmConfig(
         cpu_cache_blocks=host_blocks or None,
         disk_cache_blocks=disk_blocks or None,
         disk_cache_dir=str(disk_dir) if disk_dir else "/tmp",
         disable_disk_offload_filter=disable_filter,
         host_offload_min_priority=min_offload_priority,
+        **(config or {}),
     )
-    cache = build_cache(params, config, offload_executor=executor)
+    cache = build_cache(params, kvbm_config, identity=identity, offload_executor=executor)
     return Stack(cache, allocator, kvcache, executor, page_size, size)
 
 

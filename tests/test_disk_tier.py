@@ -1,318 +1,565 @@
 """The disk tier on real files through real NIXL (POSIX backend), with faults injected into the files.
 
-Each fault is made on the real data path (the segment files the tier reads):
-the load must miss (the caller recomputes), the bad block must leave the index
-with a ``DISK`` removal, a counter must move, and nothing may crash.
+Driven through SGLang's default tree with the linker attached (``build_stack``),
+as the scheduler drives it; the store's own properties are checked on the
+:class:`DiskStore` the stack built. Each fault is made on the real data path
+(the segment files the tier reads): the load is refused at ``load()`` (the
+request recomputes, it is never aborted), the bad block leaves the index with
+a ``DISK`` ``BlockRemoved``, ``disk.stats.invalidated[reason]`` moves, nothing
+crashes, and a later load of intact blocks is byte-exact.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import shutil
 import subprocess
+import threading
+from array import array
 from pathlib import Path
 
 import pytest
 import torch
+from sglang.srt.disaggregation.kv_events import BlockRemoved, BlockStored
 
-from conftest import RecordingSink
+from conftest import build_stack, chain_links, make_req
+from permissions import make_unwritable, make_writable
 from sglang_kvbm.backends.local.disk_setup import probe
-from sglang_kvbm.backends.local.disk_store import DiskStore
-from sglang_kvbm.backends.local.manager import LocalBlockManager
 from sglang_kvbm.config import ConfigError
-from sglang_kvbm.core.connector import KvbmConnector
-from sglang_kvbm.core.identity import chain_hashes
-from sglang_kvbm.core.offload_filter import FrequencyFilter
-from sglang_kvbm.core.ports import BlockMeta, EventIdentity, PageStore
-from sglang_kvbm.core.tiers import Tier
-from sglang_kvbm.kv_layout import PagedKvLayout
+from sglang_kvbm.integration.sglang.build import Identity
 
-PAGE = 4
-FINGERPRINT = bytes(range(16))
+_junk = itertools.count()
 
 
-class Tiers:
-    """A connector over host + disk tiers on a CPU 'device' pool made of plain tensors."""
-
-    def __init__(self, root: Path, *, host_blocks=16, disk_blocks=64, use_filter=False, fingerprint=FINGERPRINT,
-                 o_direct=True, pages=64, staging_blocks=None):
-        torch.manual_seed(0)
-        self.buffers = [torch.randn(pages * PAGE, 2, 16) for _ in range(4)]
-        self.layout = PagedKvLayout(self.buffers, PAGE)
-        found = probe(root, disk_blocks * (4096 + self.layout.block_bytes), zerofill_fallback=False,
-                      disable_o_direct=not o_direct)
-        self.disk = DiskStore(probe=found, num_slots=disk_blocks, block_bytes=self.layout.block_bytes,
-                              fingerprint=fingerprint, page_size=PAGE, staging_blocks=staging_blocks)
-        self.manager = LocalBlockManager(self.layout, host_blocks, disk=self.disk,
-                                         offload_filter=FrequencyFilter() if use_filter else None)
-        self.sink = RecordingSink()
-        self.connector = KvbmConnector(self.manager, self.sink)
-
-    def store(self, tokens, pages):
-        ids = chain_hashes(tokens, PAGE)
-        metas = []
-        parent = None
-        for k, block_id in enumerate(ids):
-            event = EventIdentity(int(block_id[:8], 16), parent)
-            parent = event.block_hash
-            metas.append(PageStore(BlockMeta(block_id, tuple(tokens[k * PAGE:(k + 1) * PAGE]), event), pages[k]))
-        self.connector.store(metas, on_offloaded=lambda: None)
-        assert self.connector.flush(timeout=60)
-        return ids
-
-    def pages(self, pages):
-        return [self.layout.read_page(p) for p in pages]
-
-    def evict_host(self, n):
-        """Push ``n`` unrelated blocks through the host tier."""
-        junk = [50_000 + i for i in range(n * PAGE)]
-        self.store(junk, list(range(40, 40 + n)))
-
-    def close(self):
-        self.connector.close()
+def medium(event) -> str:
+    value = getattr(event, "medium", None)
+    return getattr(value, "value", value) or "GPU"
 
 
-@pytest.fixture
-def tiers_factory(tmp_path):
-    made = []
-
-    def make(**kwargs):
-        t = Tiers(kwargs.pop("root", tmp_path), **kwargs)
-        made.append(t)
-        return t
-
-    yield make
-    for t in made:
-        try:
-            t.close()
-        except Exception:
-            pass
+def disk_removed(events) -> list[int]:
+    return [h for e in events if isinstance(e, BlockRemoved) and medium(e) == "DISK" for h in e.block_hashes]
 
 
-def segment_file(tiers) -> Path:
-    return next(tiers.disk.directory.glob("seg-*.kv"))
+def disk_stored(events) -> list:
+    return [e for e in events if isinstance(e, BlockStored) and medium(e) == "DISK"]
 
 
-def slot_data_offset(tiers, block_id) -> int:
-    entry = tiers.disk.entries([block_id])[0]
-    return entry.slot * tiers.disk.slot_bytes + tiers.disk.header_bytes
+def slot_of(disk, block_id) -> int:
+    slot = disk._index.slot(block_id)
+    assert slot is not None, "not on disk"
+    return slot
 
 
-def test_host_to_disk_and_back_bytes_equal(tiers_factory):
-    t = tiers_factory(host_blocks=8)
-    ids = t.store(list(range(32)), [1, 2, 3, 4, 5, 6, 7, 8])
-    original = t.pages([1, 2, 3, 4, 5, 6, 7, 8])
-    assert t.sink.ids("stored", Tier.DISK) == ids  # filter off: every host block goes down
-    t.evict_host(8)
-    assert t.manager.host.rows_of(ids) is None  # gone from host, only on disk now
-    assert t.connector.lookup(ids) == 8
-    result = t.connector.load(ids, [20, 21, 22, 23, 24, 25, 26, 27])
-    assert (result.host_blocks, result.disk_blocks) == (0, 8)
-    for got, want in zip(t.pages(range(20, 28)), original):
-        assert torch.equal(got, want)
-    assert t.connector.stats.onboard_blocks_d2d == 8 and t.connector.stats.offload_blocks_h2d >= 8
+def event_hash(disk, block_id) -> int:
+    return disk._index.header(slot_of(disk, block_id)).event_hash
 
 
-def test_reads_pipelined_over_staging_chunks_and_a_fault_in_a_later_chunk(tiers_factory):
-    """Ten blocks through a 3-block staging: four chunks, two buffers, read ahead of the copy."""
-    t = tiers_factory(host_blocks=10, staging_blocks=3)
-    pages = list(range(1, 11))
-    ids = t.store(list(range(300, 340)), pages)
-    original = t.pages(pages)
-    t.evict_host(10)
-    assert t.connector.load(ids, list(range(20, 30))).disk_blocks == 10
-    for got, want in zip(t.pages(range(20, 30)), original):
-        assert torch.equal(got, want)
+def header_offset(disk, block_id) -> int:
+    """Byte offset of a block's slot (its header) in its segment file."""
+    return disk.segments.address(slot_of(disk, block_id))[1]
 
-    ids2 = t.store(list(range(400, 440)), pages)
-    t.store(list(range(60_000, 60_040)), list(range(40, 50)))  # push ids2 out of the host tier
-    assert t.manager.host.rows_of(ids2) is None
-    victim = ids2[7]  # third chunk: two chunks are verified and copied before it is read
-    with open(segment_file(t), "r+b") as f:
-        f.seek(slot_data_offset(t, victim) + 5)
+
+def data_offset(disk, block_id) -> int:
+    return header_offset(disk, block_id) + disk.header_bytes
+
+
+def segment_path(disk, block_id) -> Path:
+    return disk.segments.of(slot_of(disk, block_id)).path
+
+
+def flip_bit(path: Path, offset: int, mask: int = 0x01) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
         byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x10]))
-    assert t.connector.load(ids2, list(range(20, 30))) is None
-    t.connector.poll()
-    assert t.sink.ids("removed", Tier.DISK) == [victim]
-    assert all(t.disk.registered(i) for i in ids2 if i != victim)
-    assert t.disk.stats.invalidated == {"checksum mismatch": 1}
-    # The next read finds both buffers free: the read-ahead of the fourth chunk was waited out.
-    assert t.connector.load(ids, list(range(30, 40))).disk_blocks == 10
-    for got, want in zip(t.pages(range(30, 40)), original):
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ mask]))
+
+
+def push_out_of_host(stack) -> None:
+    """Store as many unrelated blocks as the host holds: the least recently used host blocks leave it."""
+    pages = stack.manager.host.capacity
+    base = 1_000_000 + next(_junk) * 10_000
+    stack.insert([base + i for i in range(pages * stack.page_size)], seed=base)
+    stack.settle()
+
+
+def on_disk_only(stack, tokens, *, seed: int) -> list[torch.Tensor]:
+    """Insert ``tokens`` (every page goes to host, then to disk), then leave them on disk only."""
+    written = stack.insert(tokens, seed=seed)
+    stack.settle()
+    push_out_of_host(stack)
+    stack.evict_all()
+    stack.scramble_pool()
+    n = len(tokens) // stack.page_size
+    assert stack.linker.connector.peek(stack.block_ids(tokens)) == (0, n), "not on disk only"
+    return written
+
+
+def load_exact(stack, tokens, written, rid="exact") -> None:
+    """Admit ``tokens`` (all on host or disk): every page loads, byte for byte."""
+    req, match, loaded, slots, _ = stack.admit(tokens + [1], rid)
+    assert (match.device_prefix_len, loaded) == (0, len(tokens))
+    assert stack.finish(req)
+    for got, want in zip(stack.read_pages(slots), written):
         assert torch.equal(got, want)
+    stack.allocator.free(slots)  # the request is done with them (it would insert them)
 
 
-def test_disk_only_tier_stores_device_pages_directly(tiers_factory):
-    t = tiers_factory(host_blocks=0)
-    ids = t.store(list(range(100, 120)), [3, 4, 5, 6, 7])
-    original = t.pages([3, 4, 5, 6, 7])
-    assert t.connector.stats.offload_blocks_d2d == 5
-    assert t.connector.load(ids, [30, 31, 32, 33, 34]).disk_blocks == 5
-    for got, want in zip(t.pages(range(30, 35)), original):
-        assert torch.equal(got, want)
+def disk_stack(stack_factory, tmp_path, **kwargs):
+    kwargs.setdefault("host_blocks", 4)
+    kwargs.setdefault("disk_blocks", 64)
+    return stack_factory(disk_dir=tmp_path, events=True, **kwargs)
 
 
-def test_offload_filter_writes_only_reused_blocks(tiers_factory):
-    t = tiers_factory(use_filter=True)
-    ids = t.store(list(range(16)), [1, 2, 3, 4])
-    assert t.sink.ids("stored", Tier.DISK) == []  # seen once: host only
-    assert t.connector.load(ids, [10, 11, 12, 13]).host_blocks == 4  # a hit doubles the count to 2
-    assert t.connector.flush(timeout=60)
-    assert t.sink.ids("stored", Tier.DISK) == ids
+def test_host_to_disk_and_back_bytes_equal(stack_factory, tmp_path):
+    stack = disk_stack(stack_factory, tmp_path, host_blocks=8)
+    tokens = list(range(32))
+    written = stack.insert(tokens, seed=1)
+    stack.settle()
+    ids = stack.block_ids(tokens)
+    events = stack.tree.take_events()
+    assert [h for _, h in chain_links(disk_stored(events))] == [event_hash(stack.manager.disk, i) for i in ids]
+    push_out_of_host(stack)
+    stack.evict_all()
+    stack.scramble_pool()
+    assert stack.linker.connector.peek(ids) == (0, 8)
+    load_exact(stack, tokens, written)
+    stats = stack.linker.connector.stats
+    assert stats.onboard_blocks_d2d == 8 and stats.onboard_blocks_h2d == 0 and stats.offload_blocks_h2d >= 8
 
 
-def test_disk_store_is_announced_only_after_the_write(tiers_factory):
-    t = tiers_factory()
-    ids = t.store(list(range(8)), [1, 2])
-    order = [(k, tier) for k, tier, _ in t.sink.calls]
-    assert order.index(("stored", Tier.HOST)) < order.index(("stored", Tier.DISK))
-    assert all(t.disk.registered(i) for i in ids)
+def test_disk_store_is_announced_only_after_the_host_store(stack_factory, tmp_path):
+    stack = disk_stack(stack_factory, tmp_path)
+    tokens = list(range(8))
+    stack.insert(tokens, seed=2)
+    stack.settle()
+    order = [medium(e) for e in stack.tree.take_events() if isinstance(e, BlockStored)]
+    assert order.index("CPU_PINNED") < order.index("DISK")
+    assert all(stack.manager.disk.registered(i) for i in stack.block_ids(tokens))
 
 
-@pytest.mark.parametrize("fault", ["bit flip", "truncate", "delete", "zero header"])
-def test_fault_is_a_miss_and_the_block_leaves_the_index(tiers_factory, fault, caplog):
-    t = tiers_factory(host_blocks=4)
-    ids = t.store(list(range(200, 216)), [1, 2, 3, 4])
-    t.evict_host(4)
-    path = segment_file(t)
+def test_disk_only_tier_stores_device_pages_directly(stack_factory, tmp_path):
+    stack = disk_stack(stack_factory, tmp_path, host_blocks=0)
+    tokens = list(range(100, 120))
+    written = stack.insert(tokens, seed=3)
+    stack.settle()
+    assert stack.linker.connector.stats.offload_blocks_d2d == 5
+    stack.evict_all()
+    stack.scramble_pool()
+    load_exact(stack, tokens, written)
+
+
+def test_offload_filter_writes_only_reused_blocks(stack_factory, tmp_path):
+    stack = disk_stack(stack_factory, tmp_path, host_blocks=16, disable_filter=False)
+    tokens = list(range(16))
+    written = stack.insert(tokens, seed=4)
+    stack.settle()
+    assert not disk_stored(stack.tree.take_events())  # seen once: host only
+    stack.evict_all()
+    load_exact(stack, tokens, written)  # a host hit doubles the block's count to 2: it earns a disk copy
+    stack.settle()
+    ids = stack.block_ids(tokens)
+    assert all(stack.manager.disk.registered(i) for i in ids)
+    assert len(chain_links(disk_stored(stack.tree.take_events()))) == 4
+
+
+def test_reads_pipelined_in_chunks_and_a_fault_in_a_later_chunk(stack_factory, tmp_path):
+    """Ten blocks read three at a time: four NIXL reads, the next ones posted before the first is verified."""
+    stack = disk_stack(stack_factory, tmp_path, host_blocks=4, size=128)
+    disk = stack.manager.disk
+    disk.chunk_blocks = 3  # blocks per transfer (the buffers were sized for more)
+    transfers = []
+    post, finish = disk.io.post, disk.io.finish
+
+    def recorded_post(op, local, remote):
+        transfers.append((op, len(local) // 2))  # header and block: two descriptors each
+        return post(op, local, remote)
+
+    def recorded_finish(posted):
+        transfers.append(("finished", 0))
+        return finish(posted)
+
+    disk.io.post, disk.io.finish = recorded_post, recorded_finish
+    first = list(range(300, 340))
+    written = on_disk_only(stack, first, seed=5)
+    transfers.clear()
+    load_exact(stack, first, written)
+    assert [n for op, n in transfers if op == "READ"] == [3, 3, 3, 1]
+    assert transfers[:2] == [("READ", 3), ("READ", 3)]  # the second chunk was posted before the first landed
+
+    second = list(range(400, 440))
+    on_disk_only(stack, second, seed=6)
+    ids = stack.block_ids(second)
+    victim = ids[7]  # third chunk: two chunks were read and verified before it
+    victim_hash = event_hash(disk, victim)
+    flip_bit(segment_path(disk, victim), data_offset(disk, victim) + 5, 0x10)
+    stack.tree.take_events()
+    req, match, loaded, _, _ = stack.admit(second + [1], "faulty")
+    assert (match.host_hit_length, loaded) == (40, 0)  # found, then refused at load(): the request recomputes
+    assert disk_removed(stack.tree.take_events()) == [victim_hash]
+    assert [i for i in ids if not disk.registered(i)] == [victim]
+    assert dict(disk.stats.invalidated) == {"checksum mismatch": 1}
+
+    # Staging is not a tier: forget what it holds, so the first prefix is read from disk again.
+    stack.manager.staging.forget()
+    reads = disk.stats.reads
+    load_exact(stack, first, written, "again")
+    assert disk.stats.reads == reads + 1
+
+
+def test_a_load_never_evicts_its_own_staged_blocks(stack_factory, tmp_path):
+    """Staging full of verified blocks, the oldest of them the head of the prefix being loaded:
+    reading the rest of the prefix must evict other staged blocks, not the ones this load needs."""
+    stack = disk_stack(stack_factory, tmp_path)
+    staging = stack.manager.staging
+    prefix = list(range(1100, 1132))  # 8 pages
+    written = on_disk_only(stack, prefix, seed=21)
+    ids = stack.block_ids(prefix)
+    others = list(range(1200, 1200 + 4 * (staging.capacity - 5)))
+    on_disk_only(stack, others, seed=22)
+    for rid, wanted in (("head", ids[:5]), ("others", stack.block_ids(others))):
+        stack.linker.connector.lookup(rid, wanted)  # a request that waits in the queue: its blocks are staged
+        assert stack.manager.wait(timeout=30)
+        stack.cache.poll()
+    assert staging.pool.accounting()["free"] == 0 and all(map(staging.staged, ids[:5]))
+    load_exact(stack, prefix, written)
+    assert stack.linker.connector.stats.failed_loads == 0
+
+
+FAULTS = {  # fault -> what the disk tier counts as invalidated, by reason
+    "bit flip": {"checksum mismatch": 1},
+    "zero header": {"bad header": 1},
+    "wrong block": {"wrong block": 1},
+    # Cut inside the victim's bytes: its short read fails the checksum, the next slot has no header.
+    "truncate": {"checksum mismatch": 1, "bad header": 1},
+    # The one segment file is gone (or is another inode): every block in it is lost, the
+    # prefix's four and the four that pushed it out of the host tier.
+    "delete": {"file missing or replaced": 8},
+    "replace": {"file missing or replaced": 8},
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_fault_is_a_miss_and_the_block_leaves_the_index(stack_factory, tmp_path, fault, caplog):
+    stack = disk_stack(stack_factory, tmp_path)
+    disk = stack.manager.disk
+    tokens = list(range(200, 216))
+    written = on_disk_only(stack, tokens, seed=7)
+    ids = stack.block_ids(tokens)
     victim = ids[2]
+    hashes = [event_hash(disk, i) for i in ids]
+    path = segment_path(disk, victim)
     if fault == "bit flip":
+        flip_bit(path, data_offset(disk, victim) + 100)
+    elif fault == "zero header":
         with open(path, "r+b") as f:
-            f.seek(slot_data_offset(t, victim) + 100)
-            byte = f.read(1)
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([byte[0] ^ 0x01]))
+            f.seek(header_offset(disk, victim))
+            f.write(b"\0" * 64)
+    elif fault == "wrong block":  # another block's intact slot (header and bytes) copied over the victim's
+        with open(path, "r+b") as f:
+            f.seek(header_offset(disk, ids[0]))
+            other = f.read(disk.slot_bytes)
+            f.seek(header_offset(disk, victim))
+            f.write(other)
     elif fault == "truncate":
-        os.truncate(path, slot_data_offset(t, victim))
+        os.truncate(path, data_offset(disk, victim))
     elif fault == "delete":
         path.unlink()
-    else:
-        with open(path, "r+b") as f:
-            f.seek(slot_data_offset(t, victim) - t.disk.header_bytes)
-            f.write(b"\0" * 64)
+    else:  # the same bytes under a new inode: the tier cannot know what else changed
+        copy = path.with_suffix(".copy")
+        shutil.copyfile(path, copy)
+        os.replace(copy, path)
+    stack.tree.take_events()
+    free_before = stack.allocator.available_size()
 
     with caplog.at_level(logging.WARNING, logger="sglang_kvbm"):
-        assert t.connector.load(ids, [10, 11, 12, 13]) is None
-    t.connector.poll()  # removals are published with the next poll, like every tier event
-    removed = t.sink.ids("removed", Tier.DISK)
-    assert victim in removed and not t.disk.registered(victim)
-    assert sum(t.disk.stats.invalidated.values()) >= 1
-    assert t.connector.stats.failed_loads == 1
+        req, match, loaded, _, _ = stack.admit(tokens + [1])
+    assert (match.host_hit_length, loaded) == (16, 0)  # refused at load(): the request recomputes
+    assert stack.allocator.available_size() == free_before  # nothing leaked
+    removed = disk_removed(stack.tree.take_events())
+    assert hashes[2] in removed and not disk.registered(victim)
+    assert not any(disk.registered(i) for i, h in zip(ids, hashes) if h in removed)
+    assert dict(disk.stats.invalidated) == FAULTS[fault]
+    assert stack.linker.connector.stats.failed_loads == 1
     assert "disk" in caplog.text
-    if fault == "delete":
-        assert t.disk.stats.segments_recreated == 1 and path.exists()
-    # The tier keeps working: the same prefix can be stored and served again.
-    t.connector.evicted(ids)
-    ids2 = t.store(list(range(200, 216)), [5, 6, 7, 8])
-    t.evict_host(4)
-    assert t.connector.load(ids2, [14, 15, 16, 17]) is not None
-    for got, want in zip(t.pages([14, 15, 16, 17]), t.pages([5, 6, 7, 8])):
-        assert torch.equal(got, want)
+    if fault in ("delete", "replace"):
+        assert disk.segments.recreated == 1 and path.exists()
+        assert set(hashes) <= set(removed) and len(disk) == 0
+        assert disk.accounting()["lost"] == 0 and disk.accounting()["fds"] == 1
+    else:
+        assert [i for i in ids if not disk.registered(i)] == (ids[2:] if fault == "truncate" else [victim])
+
+    # The tier keeps working: the request recomputed the same KV (a function of its tokens), the
+    # tree stores it again (only the missing blocks go to disk), and it is served from disk exactly.
+    assert all(map(torch.equal, stack.insert(tokens, seed=7), written))
+    stack.settle()
+    push_out_of_host(stack)
+    stack.evict_all()
+    stack.scramble_pool()
+    load_exact(stack, tokens, written)
 
 
-def test_deleted_segment_in_an_unwritable_directory_is_lost_not_fatal(tiers_factory, tmp_path):
-    t = tiers_factory(host_blocks=4)
-    ids = t.store(list(range(300, 316)), [1, 2, 3, 4])
-    t.evict_host(4)
-    segment_file(t).unlink()
-    make_unwritable(t.disk.directory)
+def test_disk_page_corrupted_between_lookup_and_load_is_recomputed(stack_factory, tmp_path):
+    """The lookup starts the read into staging; the page changes before that read runs."""
+    from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    stack = disk_stack(stack_factory, tmp_path)
+    disk = stack.manager.disk
+    tokens = list(range(700, 716))
+    on_disk_only(stack, tokens, seed=8)
+    ids = stack.block_ids(tokens)
+    victim = ids[1]
+    victim_hash = event_hash(disk, victim)
+    stack.tree.take_events()
+
+    gate = threading.Event()
+    stack.manager._reader.submit(gate.wait, 60)  # the one disk reader: the lookup's read queues behind this
+    req = make_req(tokens + [1], "between")
+    match = stack.tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens)), req=req))
+    assert match.host_hit_length == 16
+    assert all(map(stack.manager.staging.reading, ids))  # the lookup started reading every disk block
+    flip_bit(segment_path(disk, victim), data_offset(disk, victim) + 7)
+    gate.set()
+    req.last_node = match.last_device_node
+    free_before = stack.allocator.available_size()
+    loaded, _ = stack.tree.init_load_back(
+        InitLoadBackParams(best_match_node=match.best_match_node, host_hit_length=16, req=req))
+    assert loaded == 0 and stack.allocator.available_size() == free_before
+    assert disk_removed(stack.tree.take_events()) == [victim_hash]
+    assert disk.stats.invalidated["checksum mismatch"] == 1
+    assert not disk.registered(victim) and not stack.manager.staging.staged(victim)
+
+    # Bytes verified into staging before the file changed are what a load serves, never the file's new ones.
+    others = list(range(800, 816))
+    other_written = on_disk_only(stack, others, seed=9)
+    other_ids = stack.block_ids(others)
+    stack.linker.connector.lookup("prefetch", other_ids)
+    assert stack.manager.wait(timeout=30)
+    stack.cache.poll()
+    assert all(map(stack.manager.staging.staged, other_ids))
+    flip_bit(segment_path(disk, other_ids[0]), data_offset(disk, other_ids[0]) + 3)
+    load_exact(stack, others, other_written, "staged")
+
+
+def test_retired_segment_is_closed_once_no_transfer_uses_it(stack_factory, tmp_path):
+    """A segment file deleted while a read of it is in flight: the read finishes on the old
+    descriptor, which (with its NIXL registration) is released only when that read ends."""
+    stack = disk_stack(stack_factory, tmp_path)
+    disk = stack.manager.disk
+    first, second = list(range(900, 916)), list(range(950, 966))
+    written = on_disk_only(stack, first, seed=10)
+    on_disk_only(stack, second, seed=11)
+    path = segment_path(disk, stack.block_ids(first)[0])
+    old_fd = disk.segments.segments[0].fd
+    deregistered = []
+    deregister = disk.io.deregister
+    disk.io.deregister = lambda reg: deregistered.append(reg) or deregister(reg)
+    posted, proceed = threading.Event(), threading.Event()
+    finish = disk.io.finish
+
+    def held_finish(transfer):  # the read is posted to NIXL on the old descriptor; hold its completion
+        posted.set()
+        assert proceed.wait(60)
+        return finish(transfer)
+
+    disk.io.finish = held_finish
+    stack.linker.connector.lookup("first", stack.block_ids(first))  # starts reading `first`
+    assert posted.wait(30)
+    path.unlink()
+    stack.linker.connector.lookup("second", stack.block_ids(second))  # finds the file gone: retires it
+    assert disk.segments.recreated == 1 and path.exists() and len(disk) == 0
+    assert disk.accounting()["fds"] == 2 and disk.segments.open_descriptors() == 2  # the old one is in use
+    assert not deregistered and os.readlink(f"/proc/self/fd/{old_fd}").endswith(f"{path.name} (deleted)")
+
+    disk.io.finish = finish
+    proceed.set()
+    assert stack.manager.wait(timeout=30)
+    stack.cache.poll()  # the read ended: its hold is released, and the retired file with it
+    assert disk.accounting()["fds"] == 1 and disk.segments.open_descriptors() == 1 and len(deregistered) == 1
+    assert not any(link.endswith(f"{path.name} (deleted)") for link in _fd_links())
+    assert disk.accounting()["free"] == 64
+    # The read ran on the file as it was when it was posted (its inode lives until the descriptor
+    # closes) and was verified: those bytes may be served. Nothing of the new, empty file can be.
+    load_exact(stack, first, written)
+    assert stack.admit(second + [1], "gone")[2] == 0
+
+
+def _fd_links() -> list[str]:
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return links
+
+
+def test_disk_store_io_runs_on_one_thread_each(stack_factory, tmp_path):
+    stack = disk_stack(stack_factory, tmp_path)
+    disk = stack.manager.disk
+    on_disk_only(stack, list(range(16)), seed=12)
+    stack.admit(list(range(17)), "read")  # the reader thread has read
+    writes, failures = disk.stats.writes, disk.stats.write_failures
+    with pytest.raises(RuntimeError, match="one thread"):
+        disk.write([], [], [])
+    errors = []
+
+    def from_another_thread():
+        try:
+            disk.write([], [], [])
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=from_another_thread)
+    thread.start()
+    thread.join()
+    assert len(errors) == 1
+    with pytest.raises(RuntimeError, match="one thread"):
+        disk.read([], [], [])
+    assert (disk.stats.writes, disk.stats.write_failures) == (writes, failures)
+
+
+def test_deleted_segment_in_an_unwritable_directory_is_lost_not_fatal(stack_factory, tmp_path, caplog):
+    stack = disk_stack(stack_factory, tmp_path)
+    disk = stack.manager.disk
+    tokens = list(range(300, 316))
+    on_disk_only(stack, tokens, seed=13)
+    ids = stack.block_ids(tokens)
+    hashes = [event_hash(disk, i) for i in ids]
+    segment_path(disk, ids[0]).unlink()
+    stack.tree.take_events()
+    make_unwritable(disk.directory)
     try:
-        assert t.connector.load(ids, [10, 11, 12, 13]) is None
-        t.connector.poll()
-        assert t.disk.stats.segments_lost == 1
-        assert t.disk.free_slots() == 0 and len(t.disk) == 0
-        assert set(ids) <= set(t.sink.ids("removed", Tier.DISK))
-        # Host-tier service goes on.
-        more = t.store(list(range(400, 408)), [20, 21])
-        assert t.connector.load(more, [22, 23]).host_blocks == 2
+        with caplog.at_level(logging.ERROR, logger="sglang_kvbm"):
+            assert stack.admit(tokens + [1])[2] == 0
+        assert "cannot be recreated" in caplog.text
+        assert set(hashes) <= set(disk_removed(stack.tree.take_events()))
+        assert disk.segments.lost == 1
+        accounting = disk.accounting()
+        assert (accounting["registered"], accounting["free"], accounting["lost"], accounting["fds"]) == (0, 0, 64, 0)
+        # Host-tier service goes on; nothing is written to the lost segment.
+        more = list(range(400, 408))
+        written = stack.insert(more, seed=14)
+        stack.settle()
+        stack.evict_all()
+        load_exact(stack, more, written)
+        assert len(disk) == 0
     finally:
-        make_writable(t.disk.directory)
+        make_writable(disk.directory)
 
 
-def make_unwritable(path: Path) -> None:
-    if os.geteuid() == 0:  # root ignores permission bits; the immutable attribute stops it
-        subprocess.run(["chattr", "+i", str(path)], check=True)
-    else:
-        path.chmod(0o500)
-
-
-def make_writable(path: Path) -> None:
-    if os.geteuid() == 0:
-        subprocess.run(["chattr", "-i", str(path)], check=True)
-    else:
-        path.chmod(0o700)
-
-
-def test_cap_evicts_least_recently_used_with_removals(tiers_factory):
-    t = tiers_factory(host_blocks=4, disk_blocks=6)
-    first = t.store(list(range(16)), [1, 2, 3, 4])
-    second = t.store(list(range(1000, 1016)), [5, 6, 7, 8])
-    removed = t.sink.ids("removed", Tier.DISK)
-    assert len(removed) == 2 and set(removed) <= set(first)
-    assert len(t.disk) == 6 and t.disk.free_slots() == 0
-    assert all(t.disk.registered(i) for i in second)
+def test_cap_evicts_least_recently_used_with_removals(stack_factory, tmp_path):
+    stack = disk_stack(stack_factory, tmp_path, disk_blocks=6)
+    disk = stack.manager.disk
+    first, second = list(range(16)), list(range(1000, 1016))
+    stack.insert(first, seed=15)
+    stack.settle()
+    first_hashes = [event_hash(disk, i) for i in stack.block_ids(first)]
+    stack.tree.take_events()
+    stack.insert(second, seed=16)
+    stack.settle()
+    removed = disk_removed(stack.tree.take_events())
+    assert sorted(removed) == sorted(first_hashes[2:])  # a prefix's tail goes first, its head stays reachable
+    assert len(disk) == 6 and disk.accounting()["free"] == 0
+    assert all(disk.registered(i) for i in stack.block_ids(second))
 
 
 def test_restart_reuses_blocks_and_another_identity_loads_nothing(tmp_path):
-    a = Tiers(tmp_path, host_blocks=4)
-    ids = a.store(list(range(500, 516)), [1, 2, 3, 4])
-    original = a.pages([1, 2, 3, 4])
-    a.close()
+    tokens = list(range(500, 516))
+    a = build_stack(host_blocks=4, disk_blocks=64, disk_dir=tmp_path, events=True)
+    try:
+        written = on_disk_only(a, tokens, seed=17)
+        ids = a.block_ids(tokens)
+        hashes = [event_hash(a.manager.disk, i) for i in ids]
+    finally:
+        a.cache.close()
 
-    b = Tiers(tmp_path, host_blocks=4)  # same identity: same directory, index and blocks
-    assert len(b.disk) == 4
-    assert b.sink.calls == [] and b.connector.lookup(ids) == 4
-    b.connector.poll()
-    assert b.sink.ids("stored", Tier.DISK) == ids  # restored blocks announced, parents first
-    assert b.connector.load(ids, [9, 10, 11, 12]).disk_blocks == 4
-    for got, want in zip(b.pages([9, 10, 11, 12]), original):
-        assert torch.equal(got, want)
-    old_dir = b.disk.directory
-    b.close()
+    b = build_stack(host_blocks=4, disk_blocks=64, disk_dir=tmp_path, events=True)  # same identity
+    try:
+        assert len(b.manager.disk) == 8  # `tokens` and the blocks that pushed them out of the host
+        stores = disk_stored(b.tree.take_events())  # restored blocks announced, parents first
+        links = chain_links(stores)
+        assert [h for _, h in links if h in hashes] == hashes
+        seen = set()
+        for parent, block_hash in links:
+            assert parent is None or parent in seen
+            seen.add(block_hash)
+        load_exact(b, tokens, written)
+        assert b.linker.connector.stats.onboard_blocks_d2d == 4
+        old_dir = b.manager.disk.directory
+    finally:
+        b.cache.close()
 
-    c = Tiers(tmp_path, host_blocks=4, fingerprint=bytes(16))  # another model, page size, ...
-    assert len(c.disk) == 0 and c.connector.lookup(ids) == 0
-    assert not old_dir.exists()  # reclaimed: no live server held it
-    c.close()
+    c = build_stack(host_blocks=4, disk_blocks=64, disk_dir=tmp_path, identity=Identity(model_path="another-model"))
+    try:
+        assert len(c.manager.disk) == 0 and c.linker.connector.peek(ids) == (0, 0)
+        assert c.admit(tokens + [1])[1].host_hit_length == 0
+        assert not old_dir.exists()  # reclaimed: no live server held it
+    finally:
+        c.cache.close()
 
 
 def test_corrupt_index_is_discarded_and_the_tier_starts(tmp_path, caplog):
-    a = Tiers(tmp_path)
-    a.store(list(range(16)), [1, 2, 3, 4])
-    directory = a.disk.directory
-    a.close()
+    a = build_stack(host_blocks=4, disk_blocks=64, disk_dir=tmp_path)
+    try:
+        a.insert(list(range(16)), seed=18)
+        a.settle()
+        directory = a.manager.disk.directory
+    finally:
+        a.cache.close()
     (directory / "index.msgpack").write_bytes(b"SGKVIDX\x01" + os.urandom(64))
     with caplog.at_level(logging.WARNING, logger="sglang_kvbm"):
-        b = Tiers(tmp_path)
-    assert "discarded the disk index" in caplog.text
-    assert len(b.disk) == 0
-    b.store(list(range(16)), [1, 2, 3, 4])
-    assert len(b.disk) == 4
-    b.close()
+        b = build_stack(host_blocks=4, disk_blocks=64, disk_dir=tmp_path)
+    try:
+        assert "discarded the disk index" in caplog.text
+        assert len(b.manager.disk) == 0 and b.manager.disk.accounting()["free"] == 64
+        b.insert(list(range(16)), seed=18)
+        b.settle()
+        assert len(b.manager.disk) == 4
+    finally:
+        b.cache.close()
 
 
 def test_torn_journal_tail_keeps_the_records_before_it(tmp_path):
-    a = Tiers(tmp_path)
-    a.store(list(range(16)), [1, 2, 3, 4])
-    a.disk._journal.flush()
-    # Simulate a crash: the journal holds the records, the snapshot is stale, the tail is torn.
-    a.connector._manager._disk_executor.shutdown()
-    a.disk._journal.write(b"\x10\x00\x00\x00torn")
-    a.disk._journal.flush()
-    a.disk._lock_file.close()
-    b = Tiers(tmp_path)
-    assert len(b.disk) == 4
-    b.close()
+    """A crash image: the snapshot is older than the journal, whose last record was half written."""
+    tokens = list(range(600, 616))
+    a = build_stack(host_blocks=4, disk_blocks=64, disk_dir=tmp_path / "live")
+    try:
+        written = on_disk_only(a, tokens, seed=19)  # the journal is flushed every poll
+        source = a.manager.disk.directory
+        crashed = tmp_path / "crashed" / source.name
+        shutil.copytree(source, crashed)  # the files as they are at this instant, no clean close
+    finally:
+        a.cache.close()
+    assert (crashed / "journal").stat().st_size > 0  # the blocks are only in the journal, not in the snapshot
+    with open(crashed / "journal", "ab") as f:
+        f.write(b"\x10\x00\x00\x00torn")
+    b = build_stack(host_blocks=4, disk_blocks=64, disk_dir=tmp_path / "crashed")
+    try:
+        assert b.manager.disk.directory == crashed
+        assert len(b.manager.disk) == 8
+        load_exact(b, tokens, written)
+    finally:
+        b.cache.close()
 
 
-def test_buffered_io_when_o_direct_is_disabled(tiers_factory):
-    t = tiers_factory(host_blocks=4, o_direct=False)
-    ids = t.store(list(range(16)), [1, 2, 3, 4])
-    t.evict_host(4)
-    assert t.connector.load(ids, [10, 11, 12, 13]).disk_blocks == 4
+def _o_direct(fd: int) -> bool:
+    flags = next(line for line in Path(f"/proc/self/fdinfo/{fd}").read_text().splitlines() if line.startswith("flags"))
+    return bool(int(flags.split()[1], 8) & os.O_DIRECT)
+
+
+@pytest.mark.parametrize("o_direct", [True, False])
+def test_buffered_io_when_o_direct_is_disabled(stack_factory, tmp_path, o_direct):
+    stack = disk_stack(stack_factory, tmp_path, config={"disk_disable_o_direct": not o_direct})
+    disk = stack.manager.disk
+    assert disk.o_direct is o_direct
+    assert _o_direct(disk.segments.segments[0].fd) is o_direct
+    tokens = list(range(16))
+    written = on_disk_only(stack, tokens, seed=20)
+    load_exact(stack, tokens, written)
 
 
 def test_probe_reports_what_is_wrong(tmp_path):
@@ -333,11 +580,12 @@ def test_probe_reports_what_is_wrong(tmp_path):
 
 
 def test_world_writable_cache_directory_is_refused(tmp_path):
-    stale = tmp_path / ("sglang-kvbm-" + FINGERPRINT.hex()[:16])
-    stale.mkdir()
-    stale.chmod(0o777)
+    a = build_stack(host_blocks=4, disk_blocks=16, disk_dir=tmp_path)
+    directory = a.manager.disk.directory
+    a.cache.close()
+    directory.chmod(0o777)  # another user could replace its files
     with pytest.raises(ConfigError, match="writable by others"):
-        Tiers(tmp_path)
+        build_stack(host_blocks=4, disk_blocks=16, disk_dir=tmp_path)
 
 
 @pytest.fixture
@@ -353,7 +601,7 @@ def tiny_tmpfs(tmp_path):
 
 def test_no_space_at_start_is_a_config_error(tiny_tmpfs):
     with pytest.raises(ConfigError, match="DYN_KVBM_DISK_CACHE_GB"):
-        Tiers(tiny_tmpfs, disk_blocks=512)
+        build_stack(host_blocks=4, disk_blocks=512, disk_dir=tiny_tmpfs)  # 512 x 8 KiB slots: 4 MiB
 
 
 @pytest.fixture
@@ -397,24 +645,37 @@ def test_writes_lost_below_the_filesystem_are_caught_on_read(eio_filesystem, cap
     ("Buffer I/O error ... lost async page write" in the kernel log): NIXL reports them done.
     Only verification on read stands between that and serving zeros as KV."""
     mount, backing = eio_filesystem
-    t = Tiers(mount, host_blocks=64, disk_blocks=1024)
-    with open(backing / "filler", "wb") as filler:  # ext4 still believes it has room
-        try:
-            while True:
-                filler.write(b"\xff" * (1 << 16))
-                filler.flush()
-        except OSError:
-            pass
-    for round_ in range(16):  # 16 x 60 blocks, then 60 more: nearly every one of the 1024 slots
-        ids = t.store([round_ * 100_000 + i for i in range(60 * PAGE)], list(range(1, 61)))
-    assert t.disk.stats.write_failures == 0 and len(t.disk) > 0  # nothing was reported failed
-    t.store([9_000_000 + i for i in range(60 * PAGE)], list(range(1, 61)))  # pushes `ids` out of host
-    assert t.manager.host.rows_of(ids) is None and t.connector.lookup(ids) == 60
-    with caplog.at_level(logging.WARNING, logger="sglang_kvbm"):
-        assert t.connector.load(ids, list(range(1, 61))) is None
-    t.connector.poll()
-    assert sum(t.disk.stats.invalidated.values()) >= 1
-    assert "failed verification" in caplog.text
-    removed = set(t.sink.ids("removed", Tier.DISK))
-    assert removed and not any(t.disk.registered(i) for i in removed)
-    t.close()
+    stack = build_stack(size=256, host_blocks=64, disk_blocks=1024, disk_dir=mount, events=True)
+    try:
+        disk = stack.manager.disk
+        with open(backing / "filler", "wb") as filler:  # ext4 still believes it has room
+            try:
+                while True:
+                    filler.write(b"\xff" * (1 << 16))
+                    filler.flush()
+            except OSError:
+                pass
+        for round_ in range(16):  # 16 x 60 blocks: nearly every one of the 1024 slots
+            tokens = [round_ * 100_000 + i for i in range(60 * 4)]
+            stack.insert(tokens, seed=round_)
+            stack.settle()
+            stack.evict_all()
+        assert disk.stats.write_failures == 0 and len(disk) > 0  # nothing was reported failed
+        push = [9_000_000 + i for i in range(64 * 4)]  # pushes `tokens` out of the host tier
+        stack.insert(push[:128], seed=100)
+        stack.insert(push[128:], seed=101)
+        stack.settle()
+        stack.evict_all()
+        ids = stack.block_ids(tokens)
+        assert stack.linker.connector.peek(ids) == (0, 60)
+        hashes = {event_hash(disk, i): i for i in ids}
+        stack.tree.take_events()
+        with caplog.at_level(logging.WARNING, logger="sglang_kvbm"):
+            assert stack.admit(tokens + [1])[2] == 0
+        assert sum(disk.stats.invalidated.values()) >= 1
+        assert "failed verification" in caplog.text
+        removed = disk_removed(stack.tree.take_events())
+        assert removed and set(removed) <= set(hashes)
+        assert not any(disk.registered(hashes[h]) for h in removed)
+    finally:
+        stack.cache.close()

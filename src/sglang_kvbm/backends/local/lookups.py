@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.tiers import Tier
@@ -95,7 +95,7 @@ class TierReads:
         if disk_only:
             self._disk.touch(block_ids[:hit])
             wanted = [b for b, in_host in zip(block_ids[:hit], host) if not in_host]
-            self._staging.prefetch([b for b in wanted if self._disk.registered(b)])
+            self._staging.prefetch([b for b in wanted if self._disk.registered(b)], keep=wanted)
         return hit, host_run
 
     def acquire(self, block_ids: Sequence[BlockId]):
@@ -105,7 +105,7 @@ class TierReads:
         if lower:
             if staging is None:
                 return None
-            staging.prefetch([b for b in lower if self._disk.registered(b)])
+            staging.prefetch([b for b in lower if self._disk.registered(b)], keep=lower)
             if any(map(staging.reading, lower)):
                 self._stats.load_waits += 1
                 if not staging.wait(lower, self._load_timeout):

@@ -72,12 +72,21 @@ class ReadStaging:
     def reading(self, block_id: BlockId) -> bool:
         return block_id in self._jobs
 
-    def prefetch(self, block_ids: Sequence[BlockId]) -> None:
-        """Start reading the blocks not staged or being read yet (the disk must hold them)."""
+    def prefetch(self, block_ids: Sequence[BlockId], *, keep: Sequence[BlockId] = ()) -> None:
+        """Start reading the blocks not staged or being read yet (the disk must hold them).
+
+        Rows are found by evicting least recently used staged blocks, never one
+        of ``block_ids`` or ``keep`` (the rest of the same load: it needs them too).
+        """
         todo = [b for b in block_ids if not self.pool.holds(b) and b not in self._jobs]
         if not todo:
             return
-        rows, _ = self.pool.reserve(todo)  # evicts least recently used staged blocks (no events: not a tier)
+        needed = [b for b in dict.fromkeys([*block_ids, *keep]) if self.pool.registered(b)]
+        self.pool.pin(needed)
+        try:
+            rows, _ = self.pool.reserve(todo)  # evicts least recently used staged blocks (no events: not a tier)
+        finally:
+            self.pool.unpin(needed)
         todo = todo[: len(rows)]
         started = self._disk.begin_read(todo) if todo else None
         if started is None:
