@@ -344,6 +344,22 @@ def test_disk_page_corrupted_between_lookup_and_load_is_recomputed(stack_factory
     load_exact(stack, others, other_written, "staged")
 
 
+def test_a_failed_read_drops_only_the_copy_it_read(stack_factory, tmp_path):
+    """A block written again since a read began (another slot, or a recreated file) is not dropped with it."""
+    stack = disk_stack(stack_factory, tmp_path)
+    tokens = list(range(16))
+    stack.insert(tokens, seed=3)
+    stack.settle()
+    disk = stack.manager.disk
+    ids = stack.block_ids(tokens)
+    where = [disk.located(b) for b in ids]
+    stale = [(slot, generation + 1) for slot, generation in where[:2]] + [(slot + 1, g) for slot, g in where[2:]]
+    assert disk.invalidate(ids, reason="test", where=stale) == []  # none of them is where the read found it
+    assert all(map(disk.registered, ids))
+    assert [m.block_id for m in disk.invalidate(ids[:1], reason="test", where=where[:1])] == ids[:1]
+    assert disk.stats.invalidated["test"] == 1
+
+
 def test_retired_segment_is_closed_once_no_transfer_uses_it(stack_factory, tmp_path):
     """A segment file deleted while a read of it is in flight: the read finishes on the old
     descriptor, which (with its NIXL registration) is released only when that read ends."""

@@ -36,13 +36,17 @@ class KvbmHttpServer:
                 self._dispatch("GET", None)
 
             def do_POST(self):  # noqa: N802
-                length = int(self.headers.get("Content-Length") or 0)
-                if length > MAX_BODY:
-                    self._reply(413, "application/json", b'{"error": "body too large"}')
+                try:
+                    length = int(self.headers.get("Content-Length") or 0)
+                except ValueError:
+                    length = -1
+                if not 0 <= length <= MAX_BODY:
+                    self._reply(413 if length > MAX_BODY else 400, "application/json",
+                                b'{"error": "Content-Length must be 0 to 8 MiB"}')
                     return
                 try:
                     body = json.loads(self.rfile.read(length) or b"{}")
-                except ValueError:
+                except (ValueError, RecursionError):
                     self._reply(400, "application/json", b'{"error": "body is not JSON"}')
                     return
                 self._dispatch("POST", body if isinstance(body, dict) else None)

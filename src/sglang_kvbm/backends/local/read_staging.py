@@ -35,6 +35,7 @@ class _ReadJob:
     holds: tuple
     generation: int
     future: Future
+    where: tuple[tuple[int, int], ...] = ()  # (slot, segment generation) each block was read from
 
 
 class ReadStaging:
@@ -94,7 +95,8 @@ class ReadStaging:
             return
         entries, holds = started
         future = self._executor.submit(disk_to_staging, self._disk, entries, self.pool.slab, self._headers, rows)
-        job = _ReadJob(tuple(todo), tuple(rows), tuple(e.header.meta() for e in entries), holds, self.generation, future)
+        job = _ReadJob(tuple(todo), tuple(rows), tuple(e.header.meta() for e in entries), holds, self.generation,
+                       future, tuple(map(self._disk.located, todo)))
         self._pending.append(job)
         self._jobs.update(dict.fromkeys(todo, job))
 
@@ -132,11 +134,12 @@ class ReadStaging:
             self.pool.abort(job.ids, job.rows)  # reset while reading: the blocks belong to a dropped cache
             return
         bad = {i for i, _ in failed}
-        by_reason: dict[str, list[BlockId]] = {}
+        by_reason: dict[str, list[int]] = {}
         for i, reason in failed:
-            by_reason.setdefault(reason, []).append(job.ids[i])
-        for reason, ids in by_reason.items():
-            self._removed(Tier.DISK, self._disk.invalidate(ids, reason=reason))
+            by_reason.setdefault(reason, []).append(i)
+        for reason, indices in by_reason.items():
+            ids = [job.ids[i] for i in indices]
+            self._removed(Tier.DISK, self._disk.invalidate(ids, reason=reason, where=[job.where[i] for i in indices]))
             logger.warning(
                 "kvbm: %d disk block(s) failed verification (%s) and were dropped; the request recomputes", len(ids), reason
             )

@@ -151,13 +151,27 @@ class DiskStore:
         for r in reserved:
             self.segments.release(self._holds.pop(r.slot, ()))
 
-    def invalidate(self, block_ids: Sequence[BlockId], *, reason: str) -> list[BlockMeta]:
-        """Remove blocks whose bytes cannot be trusted; returns the metas removed."""
+    def invalidate(
+        self, block_ids: Sequence[BlockId], *, reason: str, where: Optional[Sequence[tuple[int, int]]] = None
+    ) -> list[BlockMeta]:
+        """Remove blocks whose bytes cannot be trusted; returns the metas removed.
+
+        With ``where`` (the slot and its segment's generation a failed read
+        used), a block written again since, elsewhere or into a recreated file,
+        is kept: only the copy that failed goes.
+        """
+        if where is not None:
+            block_ids = [b for b, w in zip(block_ids, where) if self.located(b) == w]
         removed = self._index.remove(block_ids)
         for header in removed:
             self._journal.removed(header.block_id)
         self.stats.invalidated[reason] += len(removed)
         return [h.meta() for h in removed]
+
+    def located(self, block_id: BlockId) -> Optional[tuple[int, int]]:
+        """``(slot, segment generation)`` of a registered block."""
+        slot = self._index.slot(block_id)
+        return None if slot is None else (slot, self.segments.generation(slot))
 
     def begin_read(self, block_ids: Sequence[BlockId]) -> Optional[tuple[list[DiskEntry], tuple]]:
         """Pin registered blocks for a read; None if one is not registered (or its file went away)."""
