@@ -40,8 +40,8 @@ import torch
 from common import save_plot, table, verdict
 from sglang_kvbm.backends.local import copies
 from sglang_kvbm.backends.local.disk.nixl_io import NixlFileIO
+from sglang_kvbm.backends.local.disk.setup import probe
 from sglang_kvbm.backends.local.disk.store import DiskStore
-from sglang_kvbm.backends.local.disk_setup import probe
 from sglang_kvbm.backends.local.manager import LocalBlockManager
 from sglang_kvbm.core.identity import chain_hashes
 from sglang_kvbm.core.ports import BlockMeta, StoreRequest

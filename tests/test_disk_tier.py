@@ -26,7 +26,7 @@ from sglang.srt.disaggregation.kv_events import BlockRemoved, BlockStored
 
 from conftest import build_stack, chain_links, make_req
 from permissions import make_unwritable, make_writable
-from sglang_kvbm.backends.local.disk_setup import probe
+from sglang_kvbm.backends.local.disk.setup import probe
 from sglang_kvbm.config import ConfigError
 from sglang_kvbm.integration.sglang.build import Identity
 

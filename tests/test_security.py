@@ -26,8 +26,8 @@ import torch
 import xxhash
 
 from conftest import build_stack
-from sglang_kvbm.backends.local.disk_format import MAGIC as HEADER_MAGIC
-from sglang_kvbm.backends.local.disk_setup import probe
+from sglang_kvbm.backends.local.disk.format import MAGIC as HEADER_MAGIC
+from sglang_kvbm.backends.local.disk.setup import probe
 from sglang_kvbm.config import ConfigError
 from sglang_kvbm.testing.server import free_port
 from test_disk_tier import disk_removed, event_hash, header_offset, load_exact, on_disk_only, segment_path

@@ -137,7 +137,7 @@ def _host(rows: list[Row], need: _Need, var: str) -> None:
 
 
 def _disk(rows: list[Row], config: KvbmConfig, need: _Need) -> None:
-    from sglang_kvbm.backends.local.disk_setup import probe
+    from sglang_kvbm.backends.local.disk.setup import probe
 
     try:
         found = probe(

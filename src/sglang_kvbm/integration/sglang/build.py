@@ -14,8 +14,8 @@ from typing import Any, Mapping, Optional
 
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
+from sglang_kvbm.backends.local.disk.setup import probe
 from sglang_kvbm.backends.local.disk.store import DiskStore
-from sglang_kvbm.backends.local.disk_setup import probe
 from sglang_kvbm.backends.local.manager import LocalBlockManager
 from sglang_kvbm.config import GIB, ConfigError, KvbmConfig
 from sglang_kvbm.core.offload_filter import FrequencyFilter

@@ -31,7 +31,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from sglang_kvbm.backends.local.disk_format import FORMAT_VERSION
+from sglang_kvbm.backends.local.disk.format import FORMAT_VERSION
 from sglang_kvbm.kv_layout import PagedKvLayout
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")

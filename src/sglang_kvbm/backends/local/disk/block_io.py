@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
+from sglang_kvbm.backends.local.disk.format import BlockHeader, HeaderTooLarge, checksum, decode_header, encode_header
 from sglang_kvbm.backends.local.disk.nixl_io import DiskIOError
-from sglang_kvbm.backends.local.disk_format import BlockHeader, HeaderTooLarge, checksum, decode_header, encode_header
 from sglang_kvbm.core.ports import BlockMeta
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import msgspec
 import xxhash
 
-from sglang_kvbm.backends.local.disk_format import FORMAT_VERSION, BlockHeader
+from sglang_kvbm.backends.local.disk.format import FORMAT_VERSION, BlockHeader
 
 logger = logging.getLogger(__name__)
 

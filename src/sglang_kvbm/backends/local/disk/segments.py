@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Sequence
 
 from sglang_kvbm.backends.local.disk.nixl_io import NixlFileIO
-from sglang_kvbm.backends.local.disk_setup import fallocate, zerofill
+from sglang_kvbm.backends.local.disk.setup import fallocate, zerofill
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
-from sglang_kvbm.backends.local.disk_format import BlockHeader
+from sglang_kvbm.backends.local.disk.format import BlockHeader
 from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.lifecycle import BlockState, SlotLifecycle
 from sglang_kvbm.core.lru import LruIndex

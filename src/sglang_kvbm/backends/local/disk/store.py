@@ -7,7 +7,7 @@ invalidate, lookups) belongs to the scheduler thread; :meth:`DiskStore.write`
 runs on the one disk writer thread and :meth:`DiskStore.read` on the one disk
 reader thread, each with staging buffers of its own.
 
-Fail closed: a read is verified (header and checksum, see ``disk_format``) in
+Fail closed: a read is verified (header and checksum, see ``format``) in
 host memory before one byte can reach the device. A block that fails is
 invalidated and reported; the caller turns it into a miss.
 """
@@ -22,12 +22,12 @@ import torch
 
 from sglang_kvbm.backends.local.disk import directory as identity_dir
 from sglang_kvbm.backends.local.disk.block_io import DiskStats, read_blocks, write_blocks
+from sglang_kvbm.backends.local.disk.format import HEADER_BYTES, BlockHeader
 from sglang_kvbm.backends.local.disk.journal import IndexJournal
 from sglang_kvbm.backends.local.disk.nixl_io import DiskIOError, NixlFileIO
 from sglang_kvbm.backends.local.disk.segments import SegmentFiles
+from sglang_kvbm.backends.local.disk.setup import DiskProbe
 from sglang_kvbm.backends.local.disk.slot_index import DiskSlotIndex
-from sglang_kvbm.backends.local.disk_format import HEADER_BYTES, BlockHeader
-from sglang_kvbm.backends.local.disk_setup import DiskProbe
 from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.lifecycle import BlockState
 from sglang_kvbm.core.ports import BlockMeta
