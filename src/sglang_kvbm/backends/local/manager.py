@@ -71,7 +71,7 @@ class LocalBlockManager:
         self.stats = LocalStats()
         self._events: list[TierEvent] = []
         self.offloads = Offloads(layout, self.host, disk, offload_filter, self.stats, self._events.append,
-                                 self._observe, executor)
+                                 self.observe, executor)
         self._reader = None
         self.staging: Optional[ReadStaging] = None
         if disk is not None:
@@ -80,7 +80,7 @@ class LocalBlockManager:
                 disk.register_dram(self.host.slab)
             on_read = policy.read.record if policy is not None else (lambda nbytes, seconds: None)
             blocks = staging_blocks or max(16, min(layout.num_pages, GIB // layout.block_bytes))
-            self.staging = ReadStaging(layout, disk, blocks, self._reader, self._removed, self._observe, on_read)
+            self.staging = ReadStaging(layout, disk, blocks, self._reader, self._removed, self.observe, on_read)
         self.reads = TierReads(layout, self.host, disk, self.staging, policy, self.stats,
                                self.offloads.offer_to_disk, load_timeout)
         if disk is not None and len(disk):
@@ -156,7 +156,8 @@ class LocalBlockManager:
         if self.disk is not None:
             self.disk.close()
 
-    def _observe(self, path: str, nbytes: int, seconds: float) -> None:
+    def observe(self, path: str, nbytes: int, seconds: float) -> None:
+        """Report a finished transfer to the metrics (when they are on)."""
         if self.observer is not None and nbytes:
             self.observer.observe(path, nbytes, seconds)
 

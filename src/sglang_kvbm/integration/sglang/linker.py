@@ -85,7 +85,7 @@ class KvbmLinker(UnifiedCacheLinker):
         )
         self.pools = {PoolName.KV: params.token_to_kv_pool_allocator.get_kvcache()}
         self.layer_done_counter = KvbmLayerCounter(self.layout.num_layers, self.policy)
-        self.loader = LayerLoader(self.manager, self.layer_done_counter, observe=self.manager._observe)
+        self.loader = LayerLoader(self.manager, self.layer_done_counter, observe=self.manager.observe)
         self.queries = TierQueries(self.tier_tokens)
         self.cache = None
         self._insert: Optional[tuple] = None  # (key, priority) of the insert in progress
