@@ -83,10 +83,7 @@ class TinyServer:
             keys, values = past.layers[layer].keys, past.layers[layer].values  # (1, heads, tokens, dim)
             self.pool.k_buffer[layer][slots] = keys[0, :, reused:full].permute(1, 0, 2)
             self.pool.v_buffer[layer][slots] = values[0, :, reused:full].permute(1, 0, 2)
-        values = torch.cat([hit.indices.to(torch.int64), slots.to(torch.int64)])
-        result = self.cache.insert(tokens[:full], values)  # the tree's write-through copies it down
-        if result.prefix_len > reused:  # pages someone else inserted meanwhile: ours are duplicates
-            self.allocator.free(slots[: result.prefix_len - reused])
+        self.cache.insert(tokens[:full], slots, hit)  # the tree's write-through copies the new pages down
 
     def close(self) -> None:
         self.cache.close()

@@ -88,15 +88,11 @@ class Stack:
 
     def insert_tail(self, prefix, tail, *, seed: int):
         """Insert ``prefix + tail`` where ``prefix`` is on the device: only the tail gets new pages."""
-        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
-        from sglang.srt.mem_cache.radix_cache import RadixKey
-
         hit = self.cache.prefix(prefix + [0])
         assert hit.device_tokens == len(prefix), "the prefix is not on the device"
         slots = self.allocator.alloc(len(tail))
         written = self.write_random(slots, seed)
-        values = torch.cat([hit.indices.to(torch.int64), slots.to(torch.int64)])
-        self.tree.insert(InsertParams(key=RadixKey(array("q", prefix + tail)), value=values))
+        self.cache.insert(prefix + tail, slots, hit)
         self.cache.release(hit)
         return written
 

@@ -138,7 +138,8 @@ def test_lower_tier_events_match_the_trees_own_for_every_namespace(stack_factory
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
     key = RadixKey(array("q", prefix + tail), extra_key, cache_salt=cache_salt)
-    stack.tree.insert(InsertParams(key=key, value=torch.cat([hit.indices, slots.to(torch.int64)])))
+    stack.tree.insert(InsertParams(key=key, value=torch.cat([hit.indices, slots.to(torch.int64)]),
+                                   prev_prefix_len=len(hit.indices)))
     stack.cache.release(hit)
     stack.settle()
     events = stack.tree.take_events()
@@ -197,7 +198,8 @@ def test_low_priority_prefix_then_high_priority_extension_are_both_reachable(sta
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
     hit = stack.cache.prefix(prefix + tail + [1])
-    stack.tree.insert(InsertParams(key=RadixKey(array("q", prefix + tail)), value=hit.indices, priority=60))
+    stack.tree.insert(InsertParams(key=RadixKey(array("q", prefix + tail)), value=hit.indices, priority=60,
+                                   prev_prefix_len=len(hit.indices)))
     stack.cache.release(hit)
     stack.settle()
     assert stack.linker.connector.peek(stack.block_ids(prefix + tail)) == (8, 8)  # both, reachable
@@ -229,3 +231,29 @@ def test_reset_discards_copies_in_flight(stack_factory):
     assert stack.manager.host.accounting()["free"] == stack.manager.host.capacity
     assert not stores(stack.tree.take_events(), "CPU_PINNED")
     assert stack.tree.protected_size() == 0
+
+
+def test_prefix_under_pool_pressure_with_other_nodes_locked_returns_the_right_kv(stack_factory):
+    """The custom-server prefix(): its load must make room by evicting while other prefixes are locked,
+    and the slots it returns (device match + loaded tail) must hold this prefix's KV, nobody else's."""
+    stack = stack_factory(size=64)
+    mine, theirs, idle = list(range(16)), list(range(900, 932)), list(range(500, 508))
+    head = stack.insert(mine[:8], seed=20)  # 2 pages stay on the device
+    stack.settle()
+    tail = stack.insert_tail(mine[:8], mine[8:], seed=21)
+    stack.settle()
+    assert stack.evict(8) == 8  # the tail leaves the device; the host holds it
+    stack.insert(theirs, seed=22)  # another prefix, in use (locked) while this one loads
+    stack.insert(idle, seed=23)  # an unlocked one: the only thing eviction may take
+    stack.settle()
+    held = stack.cache.prefix(theirs + [0])
+    assert held.device_tokens == 32
+    theirs_before = stack.read_pages(held.indices)
+    stack.write_random(stack.allocator.alloc(stack.allocator.available_size()), seed=24)  # no free slot left
+    hit = stack.cache.prefix(mine + [0])
+    assert (hit.device_tokens, hit.loaded_tokens) == (8, 8)
+    assert all(torch.equal(g, w) for g, w in zip(stack.read_pages(hit.indices), head + tail))
+    assert all(torch.equal(g, w) for g, w in zip(stack.read_pages(held.indices), theirs_before))
+    assert stack.cache.prefix(idle + [0]).device_tokens == 0  # what made the room
+    stack.cache.release(hit)
+    stack.cache.release(held)

@@ -136,11 +136,22 @@ class KvbmCache:
         """The caller no longer reads ``hit.indices``: the prefix may be evicted again."""
         self.tree.dec_lock_ref(hit.node, hit.lock)
 
-    def insert(self, token_ids, slots: torch.Tensor, *, extra_key=None, cache_salt=None):
-        """Cache the KV at ``slots`` for ``token_ids`` (whole pages); copies them down to the tiers below."""
+    def insert(self, token_ids, slots: torch.Tensor, hit: Optional[PrefixHit] = None, *, extra_key=None,
+               cache_salt=None):
+        """Cache the KV of ``token_ids`` (whole pages): ``hit.indices`` for its prefix, ``slots`` for the rest.
+
+        The tree takes ownership of ``slots``; where another insert cached some of
+        those pages meanwhile, the duplicates are freed here. The tree's
+        write-through then copies the new pages down to the tiers below.
+        """
         self.poll()
-        key = RadixKey(array("q", token_ids), extra_key, cache_salt=cache_salt)
-        return self.tree.insert(InsertParams(key=key, value=slots.to(torch.int64)))
+        reused = hit.indices if hit is not None else torch.empty(0, dtype=torch.int64)
+        values = torch.cat([reused.to(torch.int64), slots.to(torch.int64)])
+        key = RadixKey(array("q", token_ids[: len(values)]), extra_key, cache_salt=cache_salt)
+        result = self.tree.insert(InsertParams(key=key, value=values, prev_prefix_len=len(reused)))
+        if result.prefix_len > len(reused):  # pages another insert cached meanwhile: ours are duplicates
+            self.tree.token_to_kv_pool_allocator.free(values[len(reused) : result.prefix_len])
+        return result
 
     def evict(self, num_tokens: int) -> None:
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
