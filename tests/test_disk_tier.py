@@ -228,6 +228,22 @@ def test_a_load_never_evicts_its_own_staged_blocks(stack_factory, tmp_path):
     assert stack.linker.connector.stats.failed_loads == 0
 
 
+def test_staged_blocks_serve_but_are_not_reported_as_a_tier(stack_factory, tmp_path):
+    """A block read into staging and then dropped from disk is still servable (verified bytes in
+    memory), but the truth API, like the event stream, no longer counts it as held on disk."""
+    stack = disk_stack(stack_factory, tmp_path)
+    prefix = list(range(1300, 1316))
+    written = on_disk_only(stack, prefix, seed=31)
+    ids = stack.block_ids(prefix)
+    stack.linker.connector.lookup("early", ids)  # staged while the request waits
+    assert stack.manager.wait(timeout=30)
+    stack.cache.poll()
+    stack.manager.disk.invalidate(ids, reason="test")  # the disk lets them go (its DISK removals go out)
+    assert stack.linker.connector.peek(ids) == (0, 0)
+    assert stack.cache.tier_tokens(prefix + [1]).disk == 0
+    load_exact(stack, prefix, written)  # ... and the staged copies still serve the load
+
+
 FAULTS = {  # fault -> what the disk tier counts as invalidated, by reason
     "bit flip": {"checksum mismatch": 1},
     "zero header": {"bad header": 1},

@@ -57,26 +57,30 @@ class TierReads:
         self._offer_to_disk = offer_to_disk
         self._load_timeout = load_timeout
 
-    def _flags(self, block_ids: Sequence[BlockId]) -> tuple[list, list]:
-        """Per block: in host (registered), and in host or readable from disk (registered or staged)."""
+    def _flags(self, block_ids: Sequence[BlockId], *, staged: bool) -> tuple[list, list]:
+        """Per block: in host (registered), and in host or on disk (registered, or with ``staged``,
+        already read into staging: servable, but not a tier, so not announced)."""
         n = len(block_ids)
         host = list(map(self._host.contains, block_ids)) if self._host is not None else [False] * n
         if self._disk is None:
             return host, host
-        on_disk = map(operator.or_, map(self._disk.contains, block_ids), map(self._staging.pool.contains, block_ids))
+        on_disk = map(self._disk.contains, block_ids)
+        if staged:
+            on_disk = map(operator.or_, on_disk, map(self._staging.pool.contains, block_ids))
         return host, list(map(operator.or_, host, on_disk))
 
     def peek(self, block_ids: Sequence[BlockId]) -> tuple[int, int]:
+        """What the tiers hold, exactly as their events announced it (no staging)."""
         if not block_ids:
             return 0, 0
-        host, lower = self._flags(block_ids)
+        host, lower = self._flags(block_ids, staged=False)
         return _run(host), _run(lower)
 
     def lookup(self, block_ids: Sequence[BlockId]) -> tuple[int, int]:
         """``(leading blocks servable now, of which in host)``; starts reading the disk-only ones."""
         if not block_ids:
             return 0, 0
-        host, lower = self._flags(block_ids)
+        host, lower = self._flags(block_ids, staged=True)
         hit = _run(lower)
         host_run = _run(host[:hit])
         disk_only = hit - sum(host[:hit])
