@@ -4,10 +4,13 @@
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
-# Dynamo's KV indexer pins pydantic<=2.13.5 (SGLang needs 2.14): it gets its own
-# environment, as it is its own process in a deployment too.
-INDEXER_VENV := .venv-indexer
-INDEXER_STAMP := $(INDEXER_VENV)/.installed
+# Dynamo (its frontend, KV router, indexer and SGLang worker, ai-dynamo 1.6.1) pins
+# pydantic<=2.13.5 (SGLang brings 2.14): it gets its own environment, with SGLang and this
+# package in it, as Dynamo's workers are their own processes in a deployment too. The tests
+# run from .venv and start Dynamo's processes from .venv-dynamo. What goes in is
+# pyproject.toml's `dynamo` extra; ai-dynamo itself needs --no-deps (see that extra).
+DYNAMO_VENV := .venv-dynamo
+DYNAMO_STAMP := $(DYNAMO_VENV)/.installed
 
 .PHONY: demo test test-fast bench clean
 
@@ -17,15 +20,17 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -e '.[test]'
 	touch $(STAMP)
 
-$(INDEXER_STAMP):
-	$(PYTHON) -m venv $(INDEXER_VENV)
-	$(INDEXER_VENV)/bin/pip install 'ai-dynamo-runtime==1.6.1'
-	touch $(INDEXER_STAMP)
+$(DYNAMO_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(DYNAMO_VENV)
+	$(DYNAMO_VENV)/bin/pip install --upgrade pip
+	$(DYNAMO_VENV)/bin/pip install -e '.[dynamo]'
+	$(DYNAMO_VENV)/bin/pip install --no-deps 'ai-dynamo==1.6.1'
+	touch $(DYNAMO_STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/sglang-kvbm demo
 
-test: $(STAMP) $(INDEXER_STAMP)
+test: $(STAMP) $(DYNAMO_STAMP)
 	$(VENV)/bin/python -m pytest -q -ra tests
 
 # Without the tests that start real SGLang servers (a few seconds instead of minutes).
@@ -38,4 +43,4 @@ bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) $(INDEXER_VENV) demo-out
+	rm -rf $(VENV) $(DYNAMO_VENV) demo-out

@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 from typing import Sequence
 
-OUT = Path(os.environ.get("SGLANG_KVBM_BENCH_OUT", "bench-out"))
+OUT = Path(os.environ.get("KVBM_BENCH_OUT", "bench-out"))
 
 
 def out_dir() -> Path:

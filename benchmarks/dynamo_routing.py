@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shutil
 import sys
 import tempfile
 import time
@@ -120,7 +121,7 @@ def deploy(name, model, args, kvbm_env, out):
                      extra_args=extra, log_path=out / f"dynamo-{name}-worker{i}.log", label=f"{name} w{i}")
         for i in (1, 2)
     ]
-    return frontend, workers
+    return discovery, frontend, workers
 
 
 def main(argv=None) -> int:
@@ -154,7 +155,7 @@ def main(argv=None) -> int:
     runs = []
     for name, kvbm_env in configs:
         print(f"# {name} ...", flush=True)
-        frontend, workers = deploy(name, model, args, kvbm_env, out)
+        discovery, frontend, workers = deploy(name, model, args, kvbm_env, out)
         try:
             for process in (frontend, *workers):
                 process.start()
@@ -166,6 +167,7 @@ def main(argv=None) -> int:
             frontend.stop()
             for w in workers:
                 w.stop()
+            shutil.rmtree(discovery, ignore_errors=True)  # with the disk tiers' preallocated files
 
     stock = runs[0]
     rows = []

@@ -1,9 +1,10 @@
 """Dynamo's standalone KV indexer (``python -m dynamo.indexer``) as a subprocess.
 
-It runs from its own environment (``ai-dynamo-runtime==1.6.1`` pins a pydantic
-SGLang cannot use): ``SGLANG_KVBM_INDEXER_PYTHON`` names its interpreter, by
-default ``.venv-indexer/bin/python`` at the repository root (``make test``
-creates it). Note: the indexer listens on 0.0.0.0 and has no option to change it.
+It runs from Dynamo's environment (``ai-dynamo-runtime==1.6.1`` pins a pydantic
+SGLang cannot use): the interpreter is :func:`sglang_kvbm.testing.dynamo.dynamo_python`,
+``.venv-dynamo/bin/python`` at the repository root unless ``DYNAMO_PYTHON``
+names another (``make test`` creates it). Note: the indexer listens on 0.0.0.0 and has
+no option to change it.
 """
 
 from __future__ import annotations
@@ -17,13 +18,12 @@ from typing import Optional
 
 import requests
 
+from sglang_kvbm.testing.dynamo_env import dynamo_python
 from sglang_kvbm.testing.server import free_port
-
-_REPO = Path(__file__).resolve().parents[3]
 
 
 def indexer_python() -> Path:
-    return Path(os.environ.get("SGLANG_KVBM_INDEXER_PYTHON", _REPO / ".venv-indexer" / "bin" / "python"))
+    return dynamo_python()
 
 
 class DynamoIndexer:
@@ -36,7 +36,7 @@ class DynamoIndexer:
     def start(self, timeout: float = 60.0) -> "DynamoIndexer":
         python = indexer_python()
         if not python.exists():
-            raise FileNotFoundError(f"{python} not found: run `make test` (it creates .venv-indexer) or set SGLANG_KVBM_INDEXER_PYTHON")
+            raise FileNotFoundError(f"{python} not found: run `make test` (it creates .venv-dynamo) or set DYNAMO_PYTHON")
         log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
         self._proc = subprocess.Popen(
             [str(python), "-m", "dynamo.indexer", "--port", str(self.port), "--threads", "1"],

@@ -1,0 +1,170 @@
+"""Dynamo processes on one machine: which interpreter, which environment, how each is started and stopped.
+
+Every process runs from Dynamo's environment (:func:`dynamo_python`: ``.venv-dynamo``, which
+``make test`` builds: sglang 0.5.23, ai-dynamo 1.6.1 and this package), in its own process
+group, stopped by group id. No etcd or NATS: discovery is a directory shared by every process
+(``DYN_DISCOVERY_BACKEND=file``, ``DYN_FILE_KV``), requests go over TCP and events over ZMQ,
+all on 127.0.0.1. :mod:`sglang_kvbm.testing.dynamo` builds the frontend, workers and router
+view on these.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+import requests
+
+_REPO = Path(__file__).resolve().parents[3]
+
+
+def dynamo_python() -> Path:
+    """The interpreter of Dynamo's environment: ``DYNAMO_PYTHON``, else ``.venv-dynamo/bin/python``.
+
+    (Not an ``SGLANG_KVBM_*`` name: the library refuses unknown variables of its own prefix, and
+    the servers the tests start inherit the tests' environment.)
+    """
+    return Path(os.environ.get("DYNAMO_PYTHON", _REPO / ".venv-dynamo" / "bin" / "python"))
+
+
+def require_dynamo() -> Path:
+    python = dynamo_python()
+    if not python.exists():
+        raise FileNotFoundError(
+            f"{python} not found: run `make test` (it creates .venv-dynamo) or set DYNAMO_PYTHON"
+        )
+    return python
+
+
+def dynamo_env(discovery_dir: str | Path) -> dict[str, str]:
+    """What every process of one deployment shares: file discovery in ``discovery_dir``, TCP requests,
+    ZMQ events, all on loopback."""
+    return {
+        "DYN_DISCOVERY_BACKEND": "file",
+        "DYN_FILE_KV": str(discovery_dir),
+        "DYN_REQUEST_PLANE": "tcp",
+        "DYN_EVENT_PLANE": "zmq",
+        # Dynamo advertises this machine's outward address for its request and event planes
+        # unless told otherwise; one machine needs only loopback.
+        "DYN_TCP_RPC_HOST": "127.0.0.1",
+        "DYN_EVENT_PLANE_HOST": "127.0.0.1",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+        # A stopped worker unregisters, then waits 5 s for in-flight requests by default; these
+        # deployments are stopped only when nothing is in flight.
+        "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS": "0",
+    }
+
+
+class DynamoError(RuntimeError):
+    pass
+
+
+def system_port() -> int:
+    """A free port for ``DYN_SYSTEM_PORT``: Dynamo 1.6.1 reads that variable as an i16, so it must be
+    below 32768 (``invalid value unsigned int `48421`, expected i16 for key "SYSTEM_PORT"``), where
+    the kernel's ephemeral range (32768-60999) never hands one out."""
+    for _ in range(200):
+        port = random.randrange(20_000, 32_768)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise DynamoError("no free port below 32768 for DYN_SYSTEM_PORT")
+
+
+class _Process:
+    """One Dynamo process in its own process group, its output in a log file."""
+
+    name = "dynamo"
+
+    def __init__(self, args: Sequence[str], env: Mapping[str, str], log_path: Optional[str | Path]) -> None:
+        self.args = [str(a) for a in args]
+        self.env = {**os.environ, **env}
+        self.log_path = Path(log_path) if log_path else None
+        self._proc: Optional[subprocess.Popen] = None
+        self._log = None
+
+    def start(self) -> "_Process":
+        require_dynamo()
+        self._log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
+        self._proc = subprocess.Popen(
+            self.args, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        return self
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self._proc.pid if self._proc else None
+
+    def check_running(self) -> None:
+        if self._proc is None:
+            raise DynamoError(f"{self.name} was not started")
+        if self._proc.poll() is not None:
+            raise DynamoError(f"{self.name} exited with {self._proc.returncode}{self.tail()}")
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            _stop_group(proc)
+        if self._log not in (None, subprocess.DEVNULL):
+            self._log.close()
+        self._log = None
+
+    def tail(self, lines: int = 40) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        return f"\n--- {self.name} log (tail) ---\n" + "\n".join(text)
+
+    def _wait(self, ready, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check_running()
+            try:
+                if ready():
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        raise DynamoError(f"{self.name}: {what} not reached in {timeout:.0f}s{self.tail()}")
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the group's leader, SIGKILL what is left of the group after a grace period.
+
+    Only the leader: Dynamo's worker then shuts its SGLang engine down itself. A SIGTERM to the
+    whole group kills SGLang's scheduler under it, whose watchdog then sleeps 5 s for crash
+    diagnostics before killing its own tree.
+    """
+    if proc.poll() is None:
+        try:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            pass
+        except ProcessLookupError:
+            pass
+    try:  # the leader may be gone while its children (SGLang's scheduler, detokenizer) are not
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        pass
