@@ -9,7 +9,6 @@ device pool: stock SGLang recomputes it, the kvbm server loads it from host.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import statistics
 import time
@@ -19,7 +18,7 @@ from typing import Optional, Sequence
 import requests
 
 from sglang_kvbm.testing.model import DEMO, make_model, prompt_ids
-from sglang_kvbm.testing.server import SglangServer
+from sglang_kvbm.testing.server import SglangServer, stream_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -69,15 +68,10 @@ def _stream_generate(url: str, input_ids: Sequence[int], max_new_tokens: int) ->
     last: dict = {}
     with requests.post(f"{url}/generate", json=body, stream=True, timeout=600) as response:
         response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                break
+        for chunk in stream_chunks(response):
             if ttft is None:
                 ttft = time.perf_counter() - start
-            last = json.loads(payload)
+            last = chunk
     return ttft or (time.perf_counter() - start), last
 
 

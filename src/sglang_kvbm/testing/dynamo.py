@@ -28,13 +28,12 @@ import requests
 from sglang_kvbm.testing.dynamo_env import (
     DynamoError,
     _Process,
-    _stop_group,
     dynamo_env,
     dynamo_python,
     require_dynamo,
     system_port,
 )
-from sglang_kvbm.testing.server import CPU_ARGS, free_port
+from sglang_kvbm.testing.server import CPU_ARGS, free_port, stop_group, stream_chunks
 
 __all__ = ["Completion", "DynamoError", "DynamoFrontend", "DynamoWorker", "RouterView", "dynamo_python"]
 
@@ -129,13 +128,7 @@ class DynamoFrontend(_Process):
         with requests.post(f"{self.url}/v1/completions", json=body, stream=True, timeout=timeout) as response:
             if response.status_code != 200:
                 raise DynamoError(f"/v1/completions answered {response.status_code}: {response.text[:500]}")
-            for line in response.iter_lines():
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    break
-                chunk = json.loads(payload)
+            for chunk in stream_chunks(response):
                 last = chunk
                 nvext.update(chunk.get("nvext") or {})
                 usage = chunk.get("usage") or usage
@@ -307,7 +300,7 @@ class RouterView:
                 proc.stdin.close()
             except (OSError, AttributeError):
                 pass
-            _stop_group(proc)
+            stop_group(proc, leader_only=True, grace=20.0)
             if proc.stdout is not None:
                 proc.stdout.close()
         if self._log not in (None, subprocess.DEVNULL):

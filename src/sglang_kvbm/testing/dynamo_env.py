@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import socket
 import subprocess
 import time
@@ -20,6 +19,8 @@ from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 import requests
+
+from sglang_kvbm.testing.server import log_tail, stop_group
 
 _REPO = Path(__file__).resolve().parents[3]
 
@@ -82,7 +83,13 @@ def system_port() -> int:
 
 
 class _Process:
-    """One Dynamo process in its own process group, its output in a log file."""
+    """One Dynamo process in its own process group, its output in a log file.
+
+    Stopped by a SIGTERM to its leader only, then SIGKILL to what is left of the group: Dynamo's
+    worker shuts its SGLang engine down itself, whereas a SIGTERM to the whole group kills
+    SGLang's scheduler under it, whose watchdog then sleeps 5 s for crash diagnostics before
+    killing its own tree.
+    """
 
     name = "dynamo"
 
@@ -115,16 +122,13 @@ class _Process:
     def stop(self) -> None:
         proc, self._proc = self._proc, None
         if proc is not None:
-            _stop_group(proc)
+            stop_group(proc, leader_only=True, grace=20.0)
         if self._log not in (None, subprocess.DEVNULL):
             self._log.close()
         self._log = None
 
     def tail(self, lines: int = 40) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
-        return f"\n--- {self.name} log (tail) ---\n" + "\n".join(text)
+        return log_tail(self.log_path, self.name, lines)
 
     def _wait(self, ready, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
@@ -143,28 +147,3 @@ class _Process:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def _stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the group's leader, SIGKILL what is left of the group after a grace period.
-
-    Only the leader: Dynamo's worker then shuts its SGLang engine down itself. A SIGTERM to the
-    whole group kills SGLang's scheduler under it, whose watchdog then sleeps 5 s for crash
-    diagnostics before killing its own tree.
-    """
-    if proc.poll() is None:
-        try:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            pass
-        except ProcessLookupError:
-            pass
-    try:  # the leader may be gone while its children (SGLang's scheduler, detokenizer) are not
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        pass

@@ -1,7 +1,7 @@
 """Dynamo's standalone KV indexer (``python -m dynamo.indexer``) as a subprocess.
 
 It runs from Dynamo's environment (``ai-dynamo-runtime==1.6.1`` pins a pydantic
-SGLang cannot use): the interpreter is :func:`sglang_kvbm.testing.dynamo.dynamo_python`,
+SGLang cannot use): the interpreter is :func:`sglang_kvbm.testing.dynamo_env.dynamo_python`,
 ``.venv-dynamo/bin/python`` at the repository root unless ``DYNAMO_PYTHON``
 names another (``make test`` creates it). Note: the indexer listens on 0.0.0.0 and has
 no option to change it.
@@ -9,8 +9,6 @@ no option to change it.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -18,12 +16,8 @@ from typing import Optional
 
 import requests
 
-from sglang_kvbm.testing.dynamo_env import dynamo_python
-from sglang_kvbm.testing.server import free_port
-
-
-def indexer_python() -> Path:
-    return dynamo_python()
+from sglang_kvbm.testing.dynamo_env import require_dynamo
+from sglang_kvbm.testing.server import free_port, stop_group
 
 
 class DynamoIndexer:
@@ -32,15 +26,14 @@ class DynamoIndexer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._proc: Optional[subprocess.Popen] = None
+        self._log = None
 
     def start(self, timeout: float = 60.0) -> "DynamoIndexer":
-        python = indexer_python()
-        if not python.exists():
-            raise FileNotFoundError(f"{python} not found: run `make test` (it creates .venv-dynamo) or set DYNAMO_PYTHON")
-        log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
+        python = require_dynamo()
+        self._log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
         self._proc = subprocess.Popen(
             [str(python), "-m", "dynamo.indexer", "--port", str(self.port), "--threads", "1"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -74,13 +67,11 @@ class DynamoIndexer:
 
     def stop(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
+        if proc is not None:
+            stop_group(proc, grace=10.0)
+        if self._log not in (None, subprocess.DEVNULL):
+            self._log.close()
+        self._log = None
 
     def __enter__(self) -> "DynamoIndexer":
         return self.start()

@@ -6,6 +6,7 @@ group by id, so no scheduler or detokenizer process outlives it.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -13,7 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import requests
 
@@ -35,6 +36,50 @@ def free_port() -> int:
 
 class ServerError(RuntimeError):
     pass
+
+
+def stream_chunks(response: requests.Response) -> Iterator[dict]:
+    """The JSON chunks of a server-sent-event response (SGLang's and Dynamo's streams), up to ``[DONE]``."""
+    for line in response.iter_lines():
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            return
+        yield json.loads(payload)
+
+
+def stop_group(proc: subprocess.Popen, *, leader_only: bool = False, grace: float = 30.0) -> None:
+    """Stop a process started with ``start_new_session=True`` and everything in its process group.
+
+    SIGTERM (to the group, or to its leader only where the leader shuts its children down
+    itself), then after ``grace`` seconds SIGKILL to whatever is left of the group.
+    """
+    if proc.poll() is None:
+        try:
+            if leader_only:
+                proc.send_signal(signal.SIGTERM)
+            else:
+                os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=grace)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            pass
+    try:  # the leader may be gone while children it started are not
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def log_tail(path: Optional[Path], name: str, lines: int = 40) -> str:
+    """The last lines of a process's log, for an error message ("" without one)."""
+    if path is None or not path.exists():
+        return ""
+    text = path.read_text(errors="replace").splitlines()[-lines:]
+    return f"\n--- {name} log (tail) ---\n" + "\n".join(text)
 
 
 class SglangServer:
@@ -101,29 +146,14 @@ class SglangServer:
 
     def stop(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
-            except ProcessLookupError:
-                pass
         if proc is not None:
-            try:  # children that outlived the leader
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            stop_group(proc)
         if self._log not in (None, subprocess.DEVNULL):
             self._log.close()
         self._log = None
 
     def _tail(self, lines: int = 40) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
-        return "\n--- server log (tail) ---\n" + "\n".join(text)
+        return log_tail(self.log_path, "server", lines)
 
     def __enter__(self) -> "SglangServer":
         return self.start()
