@@ -67,7 +67,7 @@ def index(values: Sequence[int], device: torch.device | str = "cpu") -> torch.Te
     return torch.tensor(values, dtype=torch.int64, device=device)
 
 
-def _run_start(idx: torch.Tensor) -> Optional[int]:
+def run_start(idx: torch.Tensor) -> Optional[int]:
     """The first element when ``idx`` is one ascending run (``a, a+1, ...``), else None. Host tensors only."""
     n = idx.numel()
     if n == 0:
@@ -182,16 +182,21 @@ class PagedKvLayout:
             self.load_layer(layer, host, rows, pages, stream=stream)
 
     def load_layer(
-        self, layer: int, host: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor, *, stream=None
+        self, layer: int, host: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor, *, stream=None,
+        runs: Optional[tuple[Optional[int], Optional[int]]] = None,
     ) -> None:
-        """Copy the buffers of ``layer`` from host ``rows`` into device ``pages``; returns when they landed."""
+        """Copy the buffers of ``layer`` from host ``rows`` into device ``pages``; returns when they landed.
+
+        ``runs``: ``(run_start(rows), run_start(pages))`` when the caller loads the same rows layer
+        after layer (CPU only; computed here otherwise).
+        """
         if pages.numel() != rows.numel():
             raise ValueError(f"{rows.numel()} rows for {pages.numel()} pages")
         if rows.numel() == 0:
             return
         host = host.view(self._wtype)
         if not self.is_cuda:
-            self._cpu_copy(host, rows, pages, self.layers[layer], to_host=False)
+            self._cpu_copy(host, rows, pages, self.layers[layer], to_host=False, runs=runs)
             return
         with torch.cuda.stream(stream):
             self._cuda_load(host, rows, pages, self.layers[layer])
@@ -199,8 +204,8 @@ class PagedKvLayout:
 
     # -- CPU: one slice copy per buffer for contiguous runs, else gather + scatter --
 
-    def _cpu_copy(self, host, rows, pages, buffers, *, to_host: bool) -> None:
-        r0, p0 = _run_start(rows), _run_start(pages)
+    def _cpu_copy(self, host, rows, pages, buffers, *, to_host: bool, runs=None) -> None:
+        r0, p0 = runs if runs is not None else (run_start(rows), run_start(pages))
         n = rows.numel()
         for b in buffers:
             view = self._views[b]
@@ -237,7 +242,7 @@ class PagedKvLayout:
             chunk_pages = pages[start : start + step]
             chunk_rows = rows[start : start + step]
             gathered = torch.cat([view.index_select(0, chunk_pages) for view in self._views], dim=1)
-            r0 = _run_start(chunk_rows)
+            r0 = run_start(chunk_rows)
             if r0 is not None:
                 host[r0 : r0 + chunk_rows.numel(), :words].copy_(gathered, non_blocking=True)
                 continue

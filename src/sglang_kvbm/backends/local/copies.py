@@ -27,7 +27,7 @@ import torch
 
 from sglang_kvbm.core.ports import BlockMeta, StoreRequest
 from sglang_kvbm.core.tiers import Tier
-from sglang_kvbm.kv_layout import PagedKvLayout, index
+from sglang_kvbm.kv_layout import PagedKvLayout, index, run_start
 
 
 def _pages(layout: PagedKvLayout, request: StoreRequest, positions: Sequence[int]) -> torch.Tensor:
@@ -77,7 +77,8 @@ def disk_to_staging(disk, entries, slab, header_slab, rows) -> tuple[list[tuple[
 class LoadBatch:
     """What one forward's loads copy, per source slab: rows there, device pages here."""
 
-    sources: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]  # (slab, rows, pages)
+    # (slab, rows, pages, runs): runs as PagedKvLayout.load_layer takes them, found once per batch (CPU)
+    sources: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[tuple]], ...]
     blocks: dict  # Tier -> blocks loaded from it (HOST; DISK via staging)
     nbytes: int
 
@@ -93,12 +94,16 @@ def load_batch(layout: PagedKvLayout, parts: Sequence[tuple[torch.Tensor, Sequen
         entry[1].extend(rows)
         entry[2].append(pages)
         blocks[tier] += len(rows)
-    sources = tuple((slab, index(rows), torch.cat(pages)) for slab, rows, pages in by_slab.values())
+    sources = []
+    for slab, rows, pages in by_slab.values():
+        rows, pages = index(rows), torch.cat(pages)
+        runs = None if layout.is_cuda else (run_start(rows), run_start(pages))
+        sources.append((slab, rows, pages, runs))
     total = sum(blocks.values())
-    return LoadBatch(sources, blocks, total * layout.page_bytes)
+    return LoadBatch(tuple(sources), blocks, total * layout.page_bytes)
 
 
 def load_layer(layout: PagedKvLayout, stream: Optional[torch.cuda.Stream], batch: LoadBatch, layer: int) -> None:
     """One layer of every block of ``batch`` into its device pages; returns when it has landed."""
-    for slab, rows, pages in batch.sources:
-        layout.load_layer(layer, slab, rows, pages, stream=stream)
+    for slab, rows, pages, runs in batch.sources:
+        layout.load_layer(layer, slab, rows, pages, stream=stream, runs=runs)
