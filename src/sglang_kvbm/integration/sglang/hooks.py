@@ -7,13 +7,15 @@ only (any other linker passes through untouched):
 
 * ``UnifiedCacheLinkerWrapper.__init__`` (the tree adopting a linker) ->
   ``linker.attach_kvbm(cache)``: the linker wraps *that cache instance's*
-  ``insert`` (to know the key whose pages an offload stores) and
+  ``insert`` (to know the key whose pages an offload stores),
+  ``init_load_back`` (to set ``req.storage_hit_length`` for the part of a hit
+  that came from disk, which SGLang reports as storage hits) and
   ``take_events`` (to put its tiers' events on the cache's one event stream).
   Not ``UnifiedRadixCache.init_cache_linker``: SGLang looks that bound method
   up before it builds the linker, so a hook installed by the linker's
   constructor would come too late for it;
 * ``TpModelWorker.register_hicache_layer_transfer_counter`` ->
-  ``counter.attach_worker(worker)``: the disk onboarding policy times prefill
+  ``counter.attach_kvbm_worker(worker)``: the disk onboarding policy times prefill
   on *that* worker instance.
 
 Installed when the linker module is imported (in the scheduler process, SGLang
