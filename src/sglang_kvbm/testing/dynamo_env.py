@@ -11,8 +11,6 @@ view on these.
 from __future__ import annotations
 
 import os
-import random
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -20,9 +18,10 @@ from typing import Mapping, Optional, Sequence
 
 import requests
 
-from sglang_kvbm.testing.server import log_tail, stop_group
+from sglang_kvbm.testing.server import free_port, log_tail, stop_group
 
 _REPO = Path(__file__).resolve().parents[3]
+NAMESPACE_ENDPOINT = "dynamo.backend.generate"  # where dynamo.sglang serves (namespace.component.endpoint)
 
 
 def dynamo_python() -> Path:
@@ -69,17 +68,8 @@ class DynamoError(RuntimeError):
 
 def system_port() -> int:
     """A free port for ``DYN_SYSTEM_PORT``: Dynamo 1.6.1 reads that variable as an i16, so it must be
-    below 32768 (``invalid value unsigned int `48421`, expected i16 for key "SYSTEM_PORT"``), where
-    the kernel's ephemeral range (32768-60999) never hands one out."""
-    for _ in range(200):
-        port = random.randrange(20_000, 32_768)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise DynamoError("no free port below 32768 for DYN_SYSTEM_PORT")
+    below 32768 (``invalid value unsigned int `48421`, expected i16 for key "SYSTEM_PORT"``)."""
+    return free_port()
 
 
 class _Process:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -28,10 +29,38 @@ CPU_ARGS = (
 )
 
 
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port free on 127.0.0.1 now, for a server started later, never one handed out before.
+
+    Taken from 20000-32767, below the kernel's ephemeral range (32768-60999 by default): a port
+    from that range can be given to some process's outgoing connection between this call and
+    the server's bind (seen: a Dynamo worker's KV event port taken while the worker beside it
+    started). Dynamo's ``DYN_SYSTEM_PORT`` needs one below 32768 too.
+    """
+    top = min(32768, _ephemeral_low())
+    top = top if top > 21_000 else 32768
+    for _ in range(500):
+        port = random.randrange(20_000, top)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in 20000-{top}")
 
 
 class ServerError(RuntimeError):
