@@ -25,7 +25,8 @@ import time
 import pytest
 
 from conftest import LOGPROB_TOLERANCE
-from sglang_kvbm.testing.dynamo import DynamoFrontend, DynamoWorker, RouterView, dynamo_python
+from sglang_kvbm.testing.dynamo import DynamoFrontend, DynamoWorker, dynamo_python
+from sglang_kvbm.testing.dynamo_router_view import RouterView
 from sglang_kvbm.testing.model import prompt_ids
 
 pytestmark = pytest.mark.server
