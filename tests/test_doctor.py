@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -127,6 +128,12 @@ def test_unparseable_sglang_version():
 
 def test_doctor_uses_the_one_supported_range():
     assert doctor_module.SUPPORTED_SGLANG is SUPPORTED_SGLANG
+
+
+def test_pip_is_told_the_same_range():
+    """pyproject.toml's ``sglang`` extra (what pip resolves) and the run-time check name one range."""
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert f'sglang = ["sglang{SUPPORTED_SGLANG}"]' in pyproject
 
 
 def test_version_module_imports_neither_sglang_nor_torch():
