@@ -25,6 +25,7 @@ import time
 import pytest
 
 from conftest import LOGPROB_TOLERANCE
+from sglang_kvbm.integration.sglang.linker import PUBLISH_INTERVAL_S
 from sglang_kvbm.testing.dynamo import DynamoFrontend, DynamoWorker, dynamo_python
 from sglang_kvbm.testing.dynamo_router_view import RouterView
 from sglang_kvbm.testing.model import prompt_ids
@@ -143,6 +144,13 @@ def same_tokens(ours, cold):
         abs(a - b) <= LOGPROB_TOLERANCE for a, b in zip(ours.logprobs, cold.logprobs))
 
 
+def published(worker, counter):
+    """A counter as of now: ``/stats`` is the snapshot the worker's scheduler publishes every
+    ``PUBLISH_INTERVAL_S`` while it loops, so wait past a few of those first."""
+    time.sleep(3 * PUBLISH_INTERVAL_S)
+    return worker.stats()["connector"][counter]
+
+
 def _routed_back(d, prefix, *, tier: str, until, counter: str):
     cold = d.complete(prefix)
     assert cold.cached_tokens == 0, cold.raw
@@ -162,9 +170,9 @@ def _routed_back(d, prefix, *, tier: str, until, counter: str):
     assert d.view.best_worker(prefix, device_only=True) == other.instance_id
     assert d.view.best_worker(prefix) == holder.instance_id
 
-    before = holder.stats()["connector"][counter]
+    before = published(holder, counter)
     again = d.complete(prefix)
-    loaded = holder.stats()["connector"][counter] - before
+    loaded = published(holder, counter) - before
     print(f"{tier} hit: holder {pushed}, other worker {decoy}, router agrees; routed to "
           f"{'the holder' if again.worker_id == holder.instance_id else 'the OTHER worker'}, cached_tokens "
           f"{again.cached_tokens}, {counter} +{loaded}; cold TTFT {cold.ttft_s:.3f}s, hit {again.ttft_s:.3f}s")
