@@ -25,7 +25,6 @@ import time
 import pytest
 
 from conftest import LOGPROB_TOLERANCE
-from sglang_kvbm.integration.sglang.linker import PUBLISH_INTERVAL_S
 from sglang_kvbm.testing.dynamo import DynamoFrontend, DynamoWorker, dynamo_python
 from sglang_kvbm.testing.dynamo_router_view import RouterView
 from sglang_kvbm.testing.model import prompt_ids
@@ -145,10 +144,13 @@ def same_tokens(ours, cold):
 
 
 def published(worker, counter):
-    """A counter as of now: ``/stats`` is the snapshot the worker's scheduler publishes every
-    ``PUBLISH_INTERVAL_S`` while it loops, so wait past a few of those first."""
-    time.sleep(3 * PUBLISH_INTERVAL_S)
-    return worker.stats()["connector"][counter]
+    """A counter as of now: ``/stats`` is a snapshot the worker's scheduler publishes between steps,
+    so wait for one taken after this call."""
+    asked, deadline = time.time(), time.monotonic() + 30
+    while (stats := worker.stats())["published_at"] <= asked:
+        assert time.monotonic() < deadline, f"{worker.name} published no /stats snapshot in 30 s"
+        time.sleep(0.01)
+    return stats["connector"][counter]
 
 
 def _routed_back(d, prefix, *, tier: str, until, counter: str):

@@ -183,6 +183,7 @@ class KvbmConnector:
     def publish(self, extra: dict) -> None:
         """Replace the snapshot other threads read (counters, rates, occupancy, plus ``extra``)."""
         snapshot = {
+            "published_at": time.time(),  # so a reader knows how fresh it is
             "connector": dataclasses.asdict(self.stats),
             "host_hit_rate": self.hit_rates.host_rate,
             "disk_hit_rate": self.hit_rates.disk_rate,
