@@ -20,9 +20,7 @@ layouts need CUDA), and ``--hicache-storage-backend file`` for its L3.
 import os
 
 if os.environ.get("KVBM_BENCH_HICACHE_CPU") == "1":
-    import importlib.abc
-    import importlib.util
-    import sys
+    from sglang_kvbm.testing.import_patch import patch_on_import
 
     def _transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size=None, **_):
         src_indices = src_indices.to(device="cpu", dtype=__import__("torch").int64)
@@ -50,23 +48,4 @@ if os.environ.get("KVBM_BENCH_HICACHE_CPU") == "1":
         "sglang.srt.mem_cache.pool_host.mha": _patch_mha,
     }
 
-    class _Finder(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path, target=None):
-            patch = _PATCHES.get(name)
-            if patch is None:
-                return None
-            sys.meta_path.remove(self)
-            try:
-                spec = importlib.util.find_spec(name)
-            finally:
-                sys.meta_path.insert(0, self)
-            original = spec.loader.exec_module
-
-            def exec_module(module):
-                original(module)
-                patch(module)
-
-            spec.loader.exec_module = exec_module
-            return spec
-
-    sys.meta_path.insert(0, _Finder())
+    patch_on_import(_PATCHES)

@@ -12,9 +12,9 @@ _HOLD = os.environ.get("KVBM_TEST_HOLD_LAYERS")
 _RECORD = os.environ.get("KVBM_TEST_RECORD")
 
 if _HOLD and _RECORD:
-    import importlib.abc
-    import sys
     import time
+
+    from sglang_kvbm.testing.import_patch import patch_on_import
 
     def _log(line: str) -> None:
         with open(_RECORD, "a") as f:
@@ -46,21 +46,4 @@ if _HOLD and _RECORD:
 
         loader_cls.__init__ = init
 
-    class _Finder(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path, target=None):
-            if name != "sglang_kvbm.integration.sglang.layer_loader":
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(name)
-            original_exec = spec.loader.exec_module
-
-            def exec_module(module):
-                original_exec(module)
-                _patch(module)
-
-            spec.loader.exec_module = exec_module
-            return spec
-
-    import importlib.util
-
-    sys.meta_path.insert(0, _Finder())
+    patch_on_import({"sglang_kvbm.integration.sglang.layer_loader": _patch})
