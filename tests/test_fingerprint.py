@@ -179,3 +179,63 @@ def test_snapshot_with_only_the_weight_format_sglang_fetched(hub):
                for name in ("config.json", "model.safetensors", "pytorch_model.bin")}
     tree_cache.write_tree_cache(str(hub / "models--org--name"), REV1, listing)
     assert fingerprint()[1]["model"]["snapshot"] == REV1
+
+
+# -- what a server's arguments add to the identity (ranks.setup_of) ---------------------------
+
+
+def started_with(model: Path, **server_args):
+    """The identity a linker of a server started with these arguments computes (as the scheduler's does)."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_kvbm.config import KvbmConfig
+    from sglang_kvbm.integration.sglang.ranks import setup_of
+
+    params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=None, page_size=4)
+    identity = setup_of(ServerArgs(model_path=str(model), **server_args), params,
+                        {"config": KvbmConfig(cpu_cache_blocks=8)}).identity
+    return server_fingerprint(identity.model_path, LAYOUT, Pool(), revision=identity.revision,
+                              settings=identity.settings, ranks=identity.ranks, download_dir=identity.download_dir)
+
+
+@pytest.fixture
+def local_model(tmp_path) -> Path:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "gpt2"}')
+    (model / "model.safetensors").write_bytes(b"w" * 10)
+    return model
+
+
+def test_default_arguments_keep_the_identity_earlier_releases_computed(local_model):
+    """A server started as before (load format auto, no overrides) finds the disk tier it left."""
+    ranks = {"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "attn_cp_rank": 0, "dp_rank": 0}
+    before = fingerprint(str(local_model), settings={"quantization": None, "kv_cache_dtype": "auto"}, ranks=ranks)[0]
+    assert started_with(local_model)[0] == before
+    assert started_with(local_model, json_model_override_args="{}")[0] == before
+
+
+def test_dummy_weights_never_share_disk_blocks(local_model):
+    """Random weights under the real files' name: never the real weights' blocks, nor an earlier start's."""
+    real, _ = started_with(local_model)
+    first, description = started_with(local_model, load_format="dummy")
+    second, _ = started_with(local_model, load_format="dummy")
+    assert first != real and second != real
+    assert first != second  # each start draws its weights again
+    assert description["settings"]["load_format"] == "dummy"
+
+
+def test_load_format_reading_other_files_is_another_identity(local_model):
+    assert started_with(local_model, load_format="pt")[0] != started_with(local_model)[0]
+    assert started_with(local_model, load_format="pt")[0] == started_with(local_model, load_format="pt")[0]
+
+
+def test_model_override_args_are_part_of_the_identity(local_model):
+    """``--json-model-override-args`` (rope scaling and the like) changes the K/V bytes; key order does not."""
+    plain, _ = started_with(local_model)
+    rope = started_with(local_model, json_model_override_args='{"rope_scaling": {"type": "linear", "factor": 2.0}}')
+    same = started_with(local_model, json_model_override_args='{"rope_scaling": {"factor": 2.0, "type": "linear"}}')
+    assert rope[0] != plain
+    assert rope[0] == same[0]
+    assert "rope_scaling" in rope[1]["settings"]["json_model_override_args"]

@@ -21,6 +21,13 @@ The model is identified by what SGLang actually loaded:
 * a hub id absent from that cache (another loader, e.g. ModelScope) by the id
   and revision only: weights changed under the same id and revision are then
   not detected, and the description says so.
+
+Weights that are not those files get no lasting identity (:func:`weight_settings`):
+``--load-format dummy`` (random weights under the real files' name) and the
+formats that fetch weights from elsewhere draw a new identity at every start, so
+their blocks are never read by a server with the real weights, nor after a
+restart. Weights replaced in memory while serving (``update_weights_from_*``)
+move the running server to a new identity too (:func:`rekeyed`).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import uuid
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -38,6 +46,11 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 # Config files that change how weights (and, with their KV scales, the KV) are read.
 _CONFIG_NAMES = ("config.json", "quant_config.json", "quantize_config.json", "hf_quant_config.json")
 _DEFAULT_RANKS = {"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "dp_rank": 0}
+# Load formats whose weights are the model path's own files (the identity above names them).
+_FILE_FORMATS = frozenset((
+    "auto", "pt", "safetensors", "instanttensor", "npcache", "sharded_state", "presharded", "gguf",
+    "expert_pack", "bitsandbytes", "mistral", "layered", "flash_rl", "fastsafetensors",
+))
 _NOTE = "note"  # readable only: left out of the digest, so rewording it never orphans a disk tier
 
 
@@ -162,3 +175,37 @@ def _ranks(ranks: Mapping[str, int]) -> dict[str, int]:
                 f"pass a rank from 0 to {name}_size - 1 and the size the server runs with"
             )
     return merged
+
+
+def weight_settings(load_format: Optional[str], json_model_override_args: Optional[str]) -> dict[str, Optional[str]]:
+    """The settings that decide which weights and which model config produce the KV, besides the files.
+
+    ``--load-format``: ``auto`` (the default) adds nothing, so identities of
+    servers started before this setting was recorded stay the same; another
+    format that reads the files names itself (``pt`` may read other files than
+    ``safetensors``). Any other format's weights are not the files at all:
+    ``dummy`` draws random weights (SGLang seeds them per parameter, but what the
+    draw yields depends on the device's generator, torch's and SGLang's versions,
+    none of which the identity names), ``remote``/``remote_instance``/... fetch
+    them from elsewhere. Such a server gets a new identity at every start: its
+    disk blocks are never read by another server, nor by itself after a restart
+    (the directory is reclaimed by the next start; the disk tier still serves
+    while the server runs).
+
+    ``--json-model-override-args`` (rope scaling, head counts, ...) changes what
+    the model computes from the same files: its JSON, keys sorted; ``{}`` adds
+    nothing.
+    """
+    fmt = str(load_format or "auto")
+    overrides = json_model_override_args or None
+    if overrides is not None:
+        try:
+            parsed = json.loads(overrides)
+            overrides = json.dumps(parsed, sort_keys=True) if parsed else None
+        except ValueError:  # SGLang refuses it before any cache is built; name it as given
+            pass
+    return {
+        "load_format": None if fmt == "auto" else fmt,
+        "weights_drawn_at_start": None if fmt in _FILE_FORMATS else uuid.uuid4().hex,
+        "json_model_override_args": overrides,
+    }

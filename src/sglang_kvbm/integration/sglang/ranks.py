@@ -19,6 +19,7 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
 from sglang_kvbm.config import KvbmConfig
 from sglang_kvbm.integration.sglang.build import Identity
+from sglang_kvbm.integration.sglang.fingerprint import weight_settings
 from sglang_kvbm.integration.sglang.kv_pool import UnsupportedPoolError
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,9 @@ def setup_of(server_args: Any, params, extra_config: Mapping[str, Any]) -> Linke
         revision = getattr(server_args, "revision", None)
         download_dir = getattr(server_args, "download_dir", None)
         settings = {"quantization": getattr(server_args, "quantization", None),
-                    "kv_cache_dtype": str(getattr(server_args, "kv_cache_dtype", None))}
+                    "kv_cache_dtype": str(getattr(server_args, "kv_cache_dtype", None)),
+                    **weight_settings(getattr(server_args, "load_format", None),
+                                      getattr(server_args, "json_model_override_args", None))}
     identity = extra_config.get("identity") or Identity(model_path, revision, settings, ranks, download_dir)
     serves = tp_rank == 0 and params.pp_rank == 0 and params.attn_cp_rank == 0
     agreeing = _group_rank(params.attn_tp_cache_group)[1] * _group_rank(params.attn_cp_cache_group)[1]
