@@ -93,6 +93,15 @@ def test_block_sized_disk_tier_without_block_bytes_warns_on_the_assumption(tmp_p
     assert found["disk tier"][0] == "ok"  # the directory itself is fine
 
 
+@pytest.mark.parametrize("page_size, header", [(16, "4 KiB"), (1024, "12 KiB")])
+def test_disk_blocks_take_the_header_of_their_page_size(tmp_path, page_size, header):
+    env = {"DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": "64", "DYN_KVBM_DISK_CACHE_DIR": str(tmp_path)}
+    status, detail = rows(env, block_bytes=1 << 20, page_size=page_size)["disk tier"]
+    assert status == "ok" and f"64 blocks of 1 MiB + {header} header" in detail
+    routed = dict(env, SGLANG_KVBM_ROUTER_BLOCK_SIZE=str(page_size))  # the router's block size is the page size
+    assert f"+ {header} header" in rows(routed, block_bytes=1 << 20)["disk tier"][1]
+
+
 def test_block_bytes_on_the_command_line(tmp_path):
     run = doctor({"DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": HUGE, "DYN_KVBM_DISK_CACHE_DIR": str(tmp_path)},
                  "--block-bytes", "1048576")

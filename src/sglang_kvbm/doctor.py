@@ -12,8 +12,10 @@ at start-up (for an MHA model: layers x 2 x KV heads x head dim x dtype bytes x
 page size, rounded up to 4 KiB) and the check is exact, failing like a tier
 sized in GiB. Without it the doctor says so and checks against an assumed
 2 MiB per block (an 8B Llama-class model, bf16, 16-token pages), warning, never
-failing, when that would not fit. A disk block also takes a 4 KiB header
-(pages up to 341 tokens).
+failing, when that would not fit. A disk block also takes a header sized from
+the page (``format.header_bytes_for``: 4 KiB up to 341 tokens); the page size is
+``page_size`` when given, else ``SGLANG_KVBM_ROUTER_BLOCK_SIZE`` (which must
+equal it), else an assumed 16.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from sglang_kvbm.versions import SUPPORTED_SGLANG, check_sglang_version
 
 MIB = 1 << 20
 ASSUMED_BLOCK_BYTES = 2 * MIB
-DISK_HEADER_BYTES = 4096  # DiskStore.header_bytes_for(page_size) for pages up to 341 tokens
+ASSUMED_PAGE_SIZE = 16
 
 
 @dataclasses.dataclass
@@ -109,7 +111,7 @@ def _bytes(n: int) -> str:
     return f"{n} bytes"
 
 
-def _tiers(rows: list[Row], config: KvbmConfig, block_bytes: Optional[int]) -> None:
+def _tiers(rows: list[Row], config: KvbmConfig, block_bytes: Optional[int], page_size: Optional[int]) -> None:
     if not config.has_host and not config.has_disk:
         rows.append(Row("tiers", "FAIL", "no tier configured: set DYN_KVBM_CPU_CACHE_GB and/or DYN_KVBM_DISK_CACHE_GB"))
         return
@@ -121,8 +123,14 @@ def _tiers(rows: list[Row], config: KvbmConfig, block_bytes: Optional[int]) -> N
     else:
         rows.append(Row("host tier", "info", "off (disk only: pages go from the device straight to disk)"))
     if config.has_disk:
+        try:
+            from sglang_kvbm.backends.local.disk.format import header_bytes_for
+        except ImportError as exc:  # numpy, msgspec or xxhash missing: the install is broken
+            rows.append(Row("disk tier", "FAIL", f"cannot size disk blocks ({exc}): reinstall sglang-kvbm"))
+            return
         gib = None if config.disk_cache_blocks is not None else config.disk_cache_gb
-        _disk(rows, config, _Need(gib, config.disk_cache_blocks, block_bytes, DISK_HEADER_BYTES))
+        page_size = page_size or config.router_block_size or ASSUMED_PAGE_SIZE
+        _disk(rows, config, _Need(gib, config.disk_cache_blocks, block_bytes, header_bytes_for(page_size)))
 
 
 def _host(rows: list[Row], need: _Need, var: str) -> None:
@@ -168,8 +176,8 @@ def _disk(rows: list[Row], config: KvbmConfig, need: _Need) -> None:
         rows.append(Row("disk NIXL", "FAIL", "the disk tier needs NIXL: pip install 'sglang-kvbm[disk]'"))
 
 
-def diagnose(environ=None, *, block_bytes: Optional[int] = None) -> list[Row]:
-    """The table's rows; ``block_bytes`` is the block size of the model served, when known."""
+def diagnose(environ=None, *, block_bytes: Optional[int] = None, page_size: Optional[int] = None) -> list[Row]:
+    """The table's rows; ``block_bytes`` and ``page_size`` are those of the server, when known."""
     environ = os.environ if environ is None else environ
     rows: list[Row] = []
     _versions(rows)
@@ -182,7 +190,7 @@ def diagnose(environ=None, *, block_bytes: Optional[int] = None) -> list[Row]:
     set_vars = sorted(k for k in environ if k.startswith(("DYN_KVBM_", "SGLANG_KVBM_")))
     rows.append(Row("configuration", "ok", ", ".join(f"{k}={environ[k]}" for k in set_vars) or "nothing set"))
     rows.append(Row("backend", "ok", "local (host memory and disk through NIXL; events on SGLang's stream)"))
-    _tiers(rows, config, block_bytes)
+    _tiers(rows, config, block_bytes, page_size)
     if config.metrics:
         rows.append(Row("metrics", "ok", f"http://{config.http_host}:{config.metrics_port}/metrics"))
     return rows
@@ -196,8 +204,8 @@ def render(rows: list[Row], out: TextIO) -> None:
         print(line if len(line) <= columns or not out.isatty() else line[: columns - 1], file=out)
 
 
-def main(out: TextIO, block_bytes: Optional[int] = None) -> int:
-    rows = diagnose(block_bytes=block_bytes)
+def main(out: TextIO, block_bytes: Optional[int] = None, page_size: Optional[int] = None) -> int:
+    rows = diagnose(block_bytes=block_bytes, page_size=page_size)
     render(rows, out)
     problems = [r for r in rows if r.status == "FAIL"]
     print(f"\n{len(problems)} problem(s)" if problems else "\nready", file=out)

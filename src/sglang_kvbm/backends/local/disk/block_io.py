@@ -6,22 +6,34 @@ in flight, and writes header and block in one transfer. A read lands header
 and block in host rows and is verified (header intact, same identity, same
 block, checksum of the bytes) while the next chunk is in flight; a chunk that
 fails as a whole is retried block by block to find the blocks at fault.
+A block whose header cannot fit its row (a cache_salt or LoRA name too long)
+is left out of the write: its header comes back None, and it stays a miss.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
-from sglang_kvbm.backends.local.disk.format import BlockHeader, HeaderTooLarge, checksum, decode_header, encode_header
+from sglang_kvbm.backends.local.disk.format import (
+    BlockHeader,
+    HeaderTooLarge,
+    checksum,
+    decode_header,
+    encode_header,
+    header_fits,
+)
 from sglang_kvbm.backends.local.disk.nixl_io import DiskIOError
 from sglang_kvbm.core.ports import BlockMeta
 
 if TYPE_CHECKING:
     from sglang_kvbm.backends.local.disk.store import DiskEntry, DiskStore, Reservation
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -29,6 +41,7 @@ class DiskStats:
     writes: int = 0
     written_blocks: int = 0
     write_failures: int = 0
+    headers_too_large: int = 0  # blocks not written: their header did not fit
     reads: int = 0
     read_blocks: int = 0
     read_bytes: int = 0
@@ -52,23 +65,30 @@ def write_blocks(
     header_buffer: torch.Tensor,
     chunk: int,
     depth: int,
-) -> list[BlockHeader]:
-    """Write each block's header and bytes into its reserved slot; raises :class:`DiskIOError` on any failure."""
-    headers: list[BlockHeader] = []
-    count = -(-len(reserved) // chunk)
+) -> list[Optional[BlockHeader]]:
+    """Write each block's header and bytes into its reserved slot; raises :class:`DiskIOError` on any failure.
+
+    Returns the headers in order, None for a block left out because its header does not fit.
+    """
+    headers: list[Optional[BlockHeader]] = [None] * len(reserved)
+    fits = [header_fits(metas[i], store.fingerprint, store.header_bytes) for i in range(len(reserved))]
+    todo = [i for i, ok in enumerate(fits) if ok]
+    if len(todo) < len(reserved):
+        _header_too_large(store, [metas[i] for i, ok in enumerate(fits) if not ok])
+    count = -(-len(todo) // chunk)
     failure: list[DiskIOError] = []
 
     def prepare(k: int):
         local, remote = [], []
         base = (k % depth) * chunk  # `depth` chunks in flight, each with its own part of the header buffer
-        for i in range(k * chunk, min(len(reserved), (k + 1) * chunk)):
+        for j, i in enumerate(todo[k * chunk : (k + 1) * chunk]):
             header = BlockHeader.of(metas[i], checksum(rows[i]), store.fingerprint)
             try:
-                encode_header(header, header_buffer[base + i - k * chunk])
-            except HeaderTooLarge as exc:
+                encode_header(header, header_buffer[base + j])
+            except HeaderTooLarge as exc:  # cannot happen (header_fits is an upper bound); never write a bad header
                 raise DiskIOError(str(exc)) from None
-            headers.append(header)
-            _descriptors(store, reserved[i].slot, header_buffer[base + i - k * chunk], rows[i], local, remote)
+            headers[i] = header
+            _descriptors(store, reserved[i].slot, header_buffer[base + j], rows[i], local, remote)
         return local, remote
 
     def done(k: int, error: Optional[DiskIOError]) -> None:
@@ -80,8 +100,22 @@ def write_blocks(
         store.stats.write_failures += 1
         raise failure[0]
     store.stats.writes += 1
-    store.stats.written_blocks += len(reserved)
+    store.stats.written_blocks += len(todo)
     return headers
+
+
+def _header_too_large(store: "DiskStore", metas: Sequence[BlockMeta]) -> None:
+    """Count blocks left out of a write; the first time, say why (once per store, not once per write)."""
+    if not store.stats.headers_too_large:
+        event = metas[0].event
+        names = (0, 0) if event is None else tuple(len((s or "").encode()) for s in (event.cache_salt, event.lora_name))
+        logger.warning(
+            "kvbm: block %s is not written to disk: its header (%d tokens, a cache_salt of %d bytes, a lora_name of "
+            "%d bytes) does not fit the %d-byte disk header; blocks like it stay off disk (a miss), counted in "
+            "headers_too_large, without another log line",
+            metas[0].block_id[:16], len(metas[0].token_ids), *names, store.header_bytes,
+        )
+    store.stats.headers_too_large += len(metas)
 
 
 def read_blocks(

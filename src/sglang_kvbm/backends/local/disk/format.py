@@ -1,8 +1,14 @@
 """What a block looks like on disk, and how it proves it is intact.
 
-Every disk slot is one 4 KiB header followed by the block's bytes::
+Every disk slot is one header row followed by the block's bytes::
 
     [ magic 8 | header length 4 | header xxh3 8 | msgpack(BlockHeader) | zero pad ] [ block bytes ]
+
+The header row is :func:`header_bytes_for` the page size: room for the page's
+token ids at msgpack's widest (9 bytes each), the fixed fields, and
+``NAME_BYTES`` of cache_salt + lora_name, rounded up to 4 KiB for O_DIRECT. A
+block whose header could still not fit (longer names) is not written
+(:func:`header_fits`); the write goes on without it.
 
 The header names the block (its id, the identity fingerprint of the server that
 wrote it) and carries an xxh3-64 checksum of the block bytes. A read is served
@@ -13,16 +19,22 @@ data checksum all match; anything else is a miss.
 from __future__ import annotations
 
 import struct
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import msgspec
 import numpy as np
-import torch
 import xxhash
 
 from sglang_kvbm.core.ports import BlockMeta, EventIdentity
 
-HEADER_BYTES = 4096
+if TYPE_CHECKING:
+    import torch
+
+HEADER_ALIGN = 4096  # O_DIRECT
+NAME_BYTES = 768  # cache_salt + lora_name (UTF-8) that always fit
+_FIXED_BYTES = 256  # the rest with 16-byte fingerprints and 64-character ids: 222 bytes at most
+_TOKEN_BYTES = 9  # msgpack's widest integer
+_FRAMING_BYTES = 78  # prefix, msgpack headers of every field, the fixed-width integers
 MAGIC = b"SGKVBM\x00\x01"
 _PREFIX = struct.Struct("<8sIQ")  # magic, payload length, payload xxh3-64
 FORMAT_VERSION = 2  # 2: headers carry the parent's block id
@@ -66,7 +78,21 @@ _decoder = msgspec.msgpack.Decoder(BlockHeader)
 
 
 class HeaderTooLarge(ValueError):
-    """A block's header (long token ids or salt) does not fit in one 4 KiB header."""
+    """A block's header (long token ids or names) does not fit its header row."""
+
+
+def header_bytes_for(page_size: int) -> int:
+    """The header row of a page size: its token ids, the fixed fields and ``NAME_BYTES``, 4 KiB-aligned."""
+    return -(-(_FIXED_BYTES + NAME_BYTES + _TOKEN_BYTES * page_size) // HEADER_ALIGN) * HEADER_ALIGN
+
+
+def header_fits(meta: BlockMeta, fingerprint: bytes, header_bytes: int) -> bool:
+    """Whether ``meta``'s header fits a row of ``header_bytes`` (an upper bound on its size, any checksum)."""
+    size = _FRAMING_BYTES + len(fingerprint) + _TOKEN_BYTES * len(meta.token_ids)
+    size += sum(len(s.encode()) for s in (meta.block_id, meta.parent_id) if s)
+    if meta.event is not None:
+        size += sum(len(s.encode()) for s in (meta.event.cache_salt, meta.event.lora_name) if s)
+    return size <= header_bytes
 
 
 def checksum(row: torch.Tensor) -> int:
@@ -75,10 +101,10 @@ def checksum(row: torch.Tensor) -> int:
 
 
 def encode_header(header: BlockHeader, out: torch.Tensor) -> None:
-    """Write ``header`` into a 4 KiB uint8 row."""
+    """Write ``header`` into a uint8 header row (of :func:`header_bytes_for` bytes)."""
     payload = _encoder.encode(header)
-    if _PREFIX.size + len(payload) > HEADER_BYTES:
-        raise HeaderTooLarge(f"header of block {header.block_id[:16]} is {len(payload)} bytes")
+    if _PREFIX.size + len(payload) > out.numel():
+        raise HeaderTooLarge(f"header of block {header.block_id[:16]} is {len(payload)} bytes, its row {out.numel()}")
     buf = out.numpy()
     buf[:] = 0
     prefix = _PREFIX.pack(MAGIC, len(payload), xxhash.xxh3_64_intdigest(payload))
@@ -87,10 +113,10 @@ def encode_header(header: BlockHeader, out: torch.Tensor) -> None:
 
 
 def decode_header(row: torch.Tensor) -> Optional[BlockHeader]:
-    """The header in a 4 KiB row, or None if it is not a whole, intact header."""
+    """The header in a header row, or None if it is not a whole, intact header."""
     raw = row.numpy().tobytes()
     magic, length, digest = _PREFIX.unpack_from(raw)
-    if magic != MAGIC or length > HEADER_BYTES - _PREFIX.size:
+    if magic != MAGIC or length > len(raw) - _PREFIX.size:
         return None
     payload = raw[_PREFIX.size : _PREFIX.size + length]
     if xxhash.xxh3_64_intdigest(payload) != digest:

@@ -22,7 +22,7 @@ import torch
 
 from sglang_kvbm.backends.local.disk import directory as identity_dir
 from sglang_kvbm.backends.local.disk.block_io import DiskStats, read_blocks, write_blocks
-from sglang_kvbm.backends.local.disk.format import HEADER_BYTES, BlockHeader
+from sglang_kvbm.backends.local.disk.format import BlockHeader, header_bytes_for
 from sglang_kvbm.backends.local.disk.journal import IndexJournal
 from sglang_kvbm.backends.local.disk.nixl_io import DiskIOError, NixlFileIO
 from sglang_kvbm.backends.local.disk.segments import SegmentFiles
@@ -94,10 +94,7 @@ class DiskStore:
         for tensor in (self._write_headers, self.write_staging):
             self.io.register_memory(tensor)
 
-    @staticmethod
-    def header_bytes_for(page_size: int) -> int:
-        """Room for a page's token ids (msgpack, up to 9 bytes each) and its event identity, 4 KiB-aligned."""
-        return -(-(1024 + 9 * page_size) // HEADER_BYTES) * HEADER_BYTES
+    header_bytes_for = staticmethod(header_bytes_for)  # the header row of a page size (see ``format``)
 
     existing_bytes = staticmethod(identity_dir.existing_bytes)
 
@@ -134,10 +131,11 @@ class DiskStore:
             self._holds[r.slot] = self.segments.hold([r.slot])
         return out, [h.meta() for h in evicted]
 
-    def commit(self, reserved: Sequence[Reservation], headers: Sequence[BlockHeader]) -> list[BlockMeta]:
-        """The writes completed: register the blocks (those whose segment was not retired meanwhile)."""
-        good = [(r, h) for r, h in zip(reserved, headers) if self.segments.generation(r.slot) == r.generation]
-        stale = [r for r, _ in zip(reserved, headers) if self.segments.generation(r.slot) != r.generation]
+    def commit(self, reserved: Sequence[Reservation], headers: Sequence[Optional[BlockHeader]]) -> list[BlockMeta]:
+        """The writes completed: register the blocks (those written, whose segment was not retired meanwhile)."""
+        kept = [h is not None and self.segments.generation(r.slot) == r.generation for r, h in zip(reserved, headers)]
+        good = [(r, h) for r, h, keep in zip(reserved, headers, kept) if keep]
+        stale = [r for r, keep in zip(reserved, kept) if not keep]
         if stale:
             self.abort(stale)
         self._index.commit([h for _, h in good], [r.slot for r, _ in good])
@@ -227,8 +225,10 @@ class DiskStore:
         if owner != me:
             raise RuntimeError(f"DiskStore.{role} runs on one thread only (its staging buffers are not shared)")
 
-    def write(self, reserved: Sequence[Reservation], metas: Sequence[BlockMeta], rows: Sequence[torch.Tensor]) -> list[BlockHeader]:
-        """Write blocks from host rows (the writer thread). Returns their headers; raises :class:`DiskIOError`."""
+    def write(self, reserved: Sequence[Reservation], metas: Sequence[BlockMeta],
+              rows: Sequence[torch.Tensor]) -> list[Optional[BlockHeader]]:
+        """Write blocks from host rows (the writer thread); their headers, None for one left out (its header
+        does not fit). Raises :class:`DiskIOError`."""
         self._owned("write")
         return write_blocks(self, reserved, metas, rows, self._write_headers, self.chunk_blocks, DEPTH)
 
