@@ -11,6 +11,7 @@ from typing import Optional
 import pytest
 import torch
 
+from sglang_kvbm.backends.local.lanes import LaneExecutor
 from sglang_kvbm.kv_layout import PagedKvLayout
 
 
@@ -30,6 +31,38 @@ class GatedExecutor(ThreadPoolExecutor):
             raise TimeoutError("test gate never opened")
 
 
+class GatedLanes(LaneExecutor):
+    """The disk writer as in production (one thread, device -> disk ahead of background writes), each job
+    held until the test lets it run (:meth:`allow`): makes "a disk write is queued" a state a test can hold."""
+
+    def __init__(self) -> None:
+        super().__init__("kvbm-test-disk-write")
+        self._passes = threading.Semaphore(0)
+        self.submitted = self.allowed = 0
+
+    def _put(self, lane, fn, args, kwargs):
+        self.submitted += 1
+        def gated(*a, **k):
+            if not self._passes.acquire(timeout=120):
+                raise TimeoutError("the test never let this disk write run")
+            return fn(*a, **k)
+
+        return super()._put(lane, gated, args, kwargs)
+
+    def allow(self, jobs: int = 1) -> None:
+        self.allowed += jobs
+        self._passes.release(jobs)
+
+    def open(self) -> None:
+        self.allow(1 << 20)
+
+    def drain(self) -> None:
+        """Let every job queued now run, and return once they have."""
+        marker = self.submit(lambda: None)  # background: behind everything queued
+        self.allow(max(0, self.submitted - self.allowed))
+        marker.result(timeout=60)
+
+
 @dataclasses.dataclass
 class Stack:
     """SGLang's default tree over real pools on CPU with a KvbmLinker, as the scheduler builds it."""
@@ -40,6 +73,7 @@ class Stack:
     executor: Optional[ThreadPoolExecutor]
     page_size: int
     size: int
+    writer: object = None  # GatedLanes, with gated_writer
 
     @property
     def tree(self):
@@ -161,6 +195,7 @@ def build_stack(
     disk_dir=None,
     events: bool = False,
     gated: bool = False,
+    gated_writer: bool = False,
     min_offload_priority: int = 0,
     executor=None,
     layers: int = 2,
@@ -186,6 +221,7 @@ def build_stack(
     allocator = PagedTokenToKVPoolAllocator(size, page_size, kvcache.dtype, "cpu", kvcache, need_sort=False)
     if gated:
         executor = GatedExecutor()
+    writer = GatedLanes() if gated_writer else None
     params = CacheInitParams(
         disable=False,
         req_to_token_pool=ReqToTokenPool(size=8, max_context_len=4096, device="cpu", enable_memory_saver=False),
@@ -203,8 +239,8 @@ def build_stack(
         host_offload_min_priority=min_offload_priority,
         **(config or {}),
     )
-    cache = build_cache(params, kvbm_config, identity=identity, offload_executor=executor)
-    return Stack(cache, allocator, kvcache, executor, page_size, size)
+    cache = build_cache(params, kvbm_config, identity=identity, offload_executor=executor, disk_writer=writer)
+    return Stack(cache, allocator, kvcache, executor, page_size, size, writer)
 
 
 class RecordingSink:
@@ -247,6 +283,8 @@ def stack_factory():
     for stack in built:
         if isinstance(stack.executor, GatedExecutor):
             stack.executor.gate.set()
+        if stack.writer is not None:
+            stack.writer.open()
         stack.cache.close()
 
 

@@ -220,8 +220,9 @@ def test_a_block_whose_parent_is_held_nowhere_below_is_not_kept(stack_factory):
     assert stack.linker.connector.stats.offloads_failed == 1  # the tree may offer the tail again
 
 
-def test_reset_discards_copies_in_flight(stack_factory):
+def test_reset_discards_copies_it_could_not_wait_for(stack_factory):
     stack = stack_factory(gated=True, events=True)
+    stack.linker.quiesce_timeout = 0.0  # the copy outlasts the reset's wait (test_flush: the reset that waits)
     stack.insert(list(range(32)), seed=13)
     stack.tree.reset()
     stack.allocator.clear()

@@ -4,7 +4,10 @@ Scheduler thread only. Membership over a whole prefix is one C-level ``map``
 per tier (no Python loop per page); the onboard policy decides whether a span
 that only the disk holds is worth reading; disk blocks are read into verified
 staging (``read_staging``) as soon as a lookup finds them, and a load waits
-only for reads still in flight.
+only for its own reads still in flight (moved ahead of other requests'
+prefetches), for at most what the read meter expects them to take
+(:data:`WAIT_SLACK` times its estimate plus :data:`WAIT_FLOOR_S`, capped by
+the load timeout); past that the request recomputes the span.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.tiers import Tier
 
 logger = logging.getLogger(__name__)
+WAIT_SLACK = 3.0  # a read may take this many times the meter's estimate before the load gives up on it
+WAIT_FLOOR_S = 0.05  # and at least this long (thread hand-offs, a disk's jitter)
 
 
 @dataclasses.dataclass
@@ -30,6 +35,7 @@ class LoadPlan:
     staged_ids: list[BlockId]
     staged_rows: list[int]
     staged_positions: list[int]
+    generation: int = 0  # of the tiers it pinned in: after a reset its pins are gone with them
 
     @property
     def host_blocks(self) -> int:
@@ -49,13 +55,15 @@ def _run(flags: list) -> int:
 
 
 class TierReads:
-    def __init__(self, layout, host, disk, staging, policy, stats, offer_to_disk: Callable, load_timeout: float):
+    def __init__(self, layout, host, disk, staging, policy, stats, offer_to_disk: Callable, load_timeout: float,
+                 generation: Callable[[], int]):
         self._layout = layout
         self._host, self._disk, self._staging = host, disk, staging
         self._policy = policy
         self._stats = stats
         self._offer_to_disk = offer_to_disk
         self._load_timeout = load_timeout
+        self._generation = generation
 
     def _flags(self, block_ids: Sequence[BlockId], *, staged: bool) -> tuple[list, list]:
         """Per block: in host (registered), and in host or on disk (registered, or with ``staged``,
@@ -110,14 +118,18 @@ class TierReads:
             if staging is None:
                 return None
             staging.prefetch([b for b in lower if self._disk.registered(b)], keep=lower)
-            if any(map(staging.reading, lower)):
+            pending = staging.pending_bytes(lower)
+            if pending:
                 self._stats.load_waits += 1
-                if not staging.wait(lower, self._load_timeout):
-                    logger.warning("kvbm: disk reads took over %.0f s; the request recomputes", self._load_timeout)
+                budget = self._wait_budget(pending)
+                if not staging.wait(lower, budget):
+                    self._stats.load_waits_expired += 1
+                    logger.warning("kvbm: this request's disk reads (%d bytes) took over %.3f s; it recomputes them",
+                                   pending, budget)
                     return None
             if not all(map(staging.staged, lower)):
                 return None
-        plan = LoadPlan([], [], [], [], [], [])
+        plan = LoadPlan([], [], [], [], [], [], self._generation())
         for position, (block_id, row) in enumerate(zip(block_ids, host_rows)):
             if row is not None:
                 plan.host_ids.append(block_id)
@@ -131,16 +143,31 @@ class TierReads:
             plan.staged_rows = staging.pool.pin(plan.staged_ids)
         return plan
 
+    def _wait_budget(self, pending: int) -> float:
+        """How long a load may wait for ``pending`` bytes of its own reads (one other job may be running)."""
+        meter = self._policy.read if self._policy is not None else None
+        estimate = meter.estimate(pending + self._staging.job_blocks * self._disk.slot_bytes) if meter is not None else None
+        if estimate is None:
+            return self._load_timeout
+        return min(self._load_timeout, WAIT_SLACK * estimate + WAIT_FLOOR_S)
+
     def release(self, plan: LoadPlan, *, reused: bool = True) -> None:
-        """The copies of a load are over: unpin; a host hit is a reuse the disk filter counts."""
-        host = self._host
+        """The copies of a load are over: unpin; a host hit is a reuse the disk filter counts.
+
+        A plan of a generation reset since unpins nothing by id (its pins went
+        with the tiers; a newer pin of the same block may exist): it only frees
+        the rows it kept from reuse.
+        """
+        host, current = self._host, plan.generation == self._generation()
         if plan.host_ids:
-            host.unpin(plan.host_ids)
+            if current:
+                host.unpin(plan.host_ids)
             host.release_orphans(plan.host_rows)
-            if reused and self._disk is not None:
+            if current and reused and self._disk is not None:
                 self._offer_to_disk([host.meta_of(b) for b in plan.host_ids if host.registered(b)])
         if plan.staged_ids:
-            self._staging.pool.unpin(plan.staged_ids)
+            if current:
+                self._staging.pool.unpin(plan.staged_ids)
             self._staging.pool.release_orphans(plan.staged_rows)
 
     def load_parts(self, plan: LoadPlan, pages) -> list:

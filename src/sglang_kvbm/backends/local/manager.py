@@ -21,10 +21,11 @@ where that happens.
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Executor, Future, wait
 from typing import Optional, Protocol, Sequence
 
 from sglang_kvbm.backends.local.host_pool import HostBlockPool
+from sglang_kvbm.backends.local.lanes import LaneExecutor
 from sglang_kvbm.backends.local.lookups import LoadPlan, TierReads
 from sglang_kvbm.backends.local.offloads import LocalStats, Offloads
 from sglang_kvbm.backends.local.read_staging import ReadStaging
@@ -58,9 +59,14 @@ class LocalBlockManager:
         observer: Optional[TransferObserver] = None,
         staging_blocks: int = 0,
         executor: Optional[Executor] = None,
+        writer: Optional[LaneExecutor] = None,
         load_timeout: float = 30.0,
     ) -> None:
-        """``executor`` (tests) replaces the device -> host worker; it must run one job at a time."""
+        """``executor`` and ``writer`` (tests) replace the device -> host worker and the disk writer.
+
+        ``load_timeout`` caps how long a load waits for its own disk reads (the
+        read meter's estimate for them usually ends the wait much sooner).
+        """
         if host_blocks < 0 or (host_blocks == 0 and disk is None):
             raise ValueError(f"need a host tier (host_blocks={host_blocks}) or a disk tier")
         self.layout = layout
@@ -71,18 +77,18 @@ class LocalBlockManager:
         self.stats = LocalStats()
         self._events: list[TierEvent] = []
         self.offloads = Offloads(layout, self.host, disk, offload_filter, self.stats, self._events.append,
-                                 self.observe, executor)
+                                 self.observe, executor, writer)
         self._reader = None
         self.staging: Optional[ReadStaging] = None
         if disk is not None:
-            self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvbm-disk-read")
+            self._reader = LaneExecutor("kvbm-disk-read")
             if self.host is not None:
                 disk.register_dram(self.host.slab)
             on_read = policy.read.record if policy is not None else (lambda nbytes, seconds: None)
             blocks = staging_blocks or max(16, min(layout.num_pages, GIB // layout.block_bytes))
             self.staging = ReadStaging(layout, disk, blocks, self._reader, self._removed, self.observe, on_read)
         self.reads = TierReads(layout, self.host, disk, self.staging, policy, self.stats,
-                               self.offloads.offer_to_disk, load_timeout)
+                               self.offloads.offer_to_disk, load_timeout, lambda: self.offloads.generation)
         if disk is not None and len(disk):
             self._announce_restored(disk.registered_metas())
 
@@ -139,14 +145,31 @@ class LocalBlockManager:
         return not not_done
 
     def reset(self) -> None:
+        """Forget every tier (the engine cleared its cache and announces that itself).
+
+        Copies still in flight (the caller quiesces first; this holds even if
+        it could not) register nothing and touch no block of the new generation.
+        """
         self.offloads.reset()
+        self._forget()
+        self._events.clear()
+
+    def drop(self) -> None:
+        """Forget every tier's blocks, announcing their removal; offloads in flight still complete (not held)."""
+        if self.host is not None:
+            self._removed(Tier.HOST, self.host.metas())
+        if self.disk is not None:
+            self._removed(Tier.DISK, self.disk.registered_metas())
+        self.offloads.reset(keep_tickets=True)
+        self._forget()
+
+    def _forget(self) -> None:
         if self.host is not None:
             self.host.forget()
         if self.staging is not None:
             self.staging.forget()
         if self.disk is not None:
             self.disk.forget()
-        self._events.clear()
 
     def close(self) -> None:
         self.offloads.shutdown()

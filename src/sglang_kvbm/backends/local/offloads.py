@@ -1,14 +1,21 @@
 """Copies down, and their completions: device -> host, device -> disk, host -> disk.
 
 The scheduler thread reserves room and submits; one thread per path copies
-(see ``copies``; each with its own CUDA stream, made before it starts). A
+(see ``copies``; each with its own CUDA stream, made before it starts). The
+disk writer serves device -> disk copies (which the tree waits for, in order)
+ahead of background host -> disk writes (see ``lanes``). A
 store's pages go into host rows while rows can be had (least recently used
 host blocks are evicted for them), the rest straight to disk; a host block
 the frequency filter says was reused is written to disk, its row pinned
 meanwhile. :meth:`Offloads.collect` registers what finished, in submission
 order: a page becomes visible (and is announced) only once its bytes are there
-and its parent is held somewhere below. Completions of a reset cache are
-dropped (generations).
+and its parent is held somewhere below.
+
+Completions of a cache generation that was reset or dropped since touch
+nothing of the new one: their blocks were forgotten with the tiers (and the
+pins on their rows with them), so they only give back the rows and slots they
+held. They never unpin by block id, which a newer copy of the same block may
+hold pinned.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from itertools import compress
 from typing import Callable, Optional, Sequence
 
 from sglang_kvbm.backends.local import copies
+from sglang_kvbm.backends.local.lanes import LaneExecutor
 from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.offload_filter import FrequencyFilter
 from sglang_kvbm.core.ports import BlockMeta, StoreRequest, TierEvent, TierEventKind
@@ -53,13 +61,15 @@ class LocalStats:
     blocks_dropped_unreachable: int = 0
     disk_writes_submitted: int = 0
     disk_write_failures: int = 0
-    load_waits: int = 0
+    load_waits: int = 0  # loads that waited for their own disk reads
+    load_waits_expired: int = 0  # of which gave up past the read meter's estimate (the request recomputed)
 
 
 class Offloads:
     def __init__(self, layout, host, disk, offload_filter: Optional[FrequencyFilter], stats: LocalStats,
                  emit: Callable[[TierEvent], None], observe: Callable[[str, int, float], None],
-                 executor: Optional[Executor] = None) -> None:
+                 executor: Optional[Executor] = None, writer: Optional[LaneExecutor] = None) -> None:
+        """``executor`` (tests) replaces the device -> host worker, ``writer`` the disk writer; one job at a time."""
         self.layout, self.host, self.disk = layout, host, disk
         self._filter = offload_filter
         self.stats = stats
@@ -67,7 +77,7 @@ class Offloads:
         self._observe = observe
         self._offload = executor or ThreadPoolExecutor(1, thread_name_prefix="kvbm-offload")
         self._offload_stream = layout.new_stream()
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvbm-disk-write") if disk is not None else None
+        self._writer = (writer or LaneExecutor("kvbm-disk-write")) if disk is not None else None
         self._writer_stream = layout.new_stream() if disk is not None else None
         self._jobs: deque[_Job] = deque()  # device -> lower tier, in submission order
         self._writes: deque[_Job] = deque()  # host -> disk
@@ -102,7 +112,7 @@ class Offloads:
             self._removed(Tier.DISK, evicted)
             if reserved:
                 positions, todo = todo[: len(reserved)], todo[len(reserved) :]
-                future = self._writer.submit(
+                future = self._writer.submit_urgent(
                     copies.device_to_disk, self.layout, self._writer_stream, disk, request, positions, reserved
                 )
                 self._submit(_Job(ticket, Tier.DISK, tuple(r.block_id for r in reserved), tuple(reserved),
@@ -151,8 +161,7 @@ class Offloads:
                 part[1] = part[1] and held
                 if not part[0]:
                     del self._parts[job.ticket]
-                    if job.generation == self._generation:
-                        self._done.append((job.ticket, part[1]))
+                    self._done.append((job.ticket, part[1]))
         while self._writes and self._writes[0].future.done():
             self._finish_write(self._writes.popleft())
         self.offer_to_disk(earned)
@@ -203,8 +212,9 @@ class Offloads:
         return len(metas)
 
     def _finish_write(self, job: _Job) -> None:
-        self.host.unpin(job.ids)
-        self.host.release_orphans(job.host_rows)
+        if job.generation == self._generation:
+            self.host.unpin(job.ids)
+        self.host.release_orphans(job.host_rows)  # rows of a forgotten generation: free now
         error = _error_of(job.future)
         if job.generation != self._generation or error is not None:
             if error is not None and error is not _CANCELLED:
@@ -223,13 +233,24 @@ class Offloads:
         else:
             self.disk.abort(job.slots)
 
+    @property
+    def generation(self) -> int:
+        return self._generation
+
     def futures(self) -> list[Future]:
         return [job.future for job in self._jobs] + [job.future for job in self._writes]
 
-    def reset(self) -> None:
+    def reset(self, *, keep_tickets: bool = False) -> None:
+        """A new generation: copies in flight register nothing when they end.
+
+        ``keep_tickets``: the tree still waits for the offloads in flight (the
+        tiers were dropped, the tree was not reset); they complete as not held.
+        Otherwise their tickets are forgotten with the tree's pending offloads.
+        """
         self._generation += 1
-        self._parts.clear()
-        self._done.clear()
+        if not keep_tickets:
+            self._parts.clear()
+            self._done.clear()
 
     def shutdown(self) -> None:
         for executor in (self._offload, self._writer):

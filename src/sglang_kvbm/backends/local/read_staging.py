@@ -3,28 +3,34 @@
 A lookup that finds blocks on disk starts reading them here at once
 (:meth:`ReadStaging.prefetch`), so a request that waits in the queue has its
 disk blocks in host memory by the time it is scheduled; a load that comes
-sooner waits for the read (:meth:`ReadStaging.wait`). Staged blocks are kept
+sooner waits only for its own reads: they move ahead of other requests'
+prefetches (:meth:`ReadStaging.wait`, ``lanes``), which are queued as jobs of
+at most :data:`JOB_BYTES` so that a read someone waits for is never behind more
+than one of them. Staged blocks are kept
 in LRU order and reused by later loads until their rows are needed. Staging is
 not a tier: nothing here is announced, and a block leaves staging without an
 event. A block that fails verification is dropped from the disk tier (with its
-``DISK`` removal) and never staged.
+``DISK`` removal) and never staged. A read of a forgotten generation (the tiers
+were reset meanwhile) stages nothing and unpins nothing by block id.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from concurrent.futures import Executor, Future, wait
+from concurrent.futures import Future, wait
 from typing import Callable, Optional, Sequence
 
 from sglang_kvbm.backends.local.copies import disk_to_staging
 from sglang_kvbm.backends.local.host_pool import HostBlockPool
+from sglang_kvbm.backends.local.lanes import LaneExecutor
 from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.ports import BlockMeta
 from sglang_kvbm.core.tiers import Tier
 from sglang_kvbm.kv_layout import PagedKvLayout, aligned_empty
 
 logger = logging.getLogger(__name__)
+JOB_BYTES = 32 << 20  # one read job: four of the disk tier's ~8 MiB transfers in flight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +50,7 @@ class ReadStaging:
         layout: PagedKvLayout,
         disk,
         capacity: int,
-        executor: Executor,
+        executor: LaneExecutor,
         removed: Callable[[Tier, Sequence[BlockMeta]], None],
         observe: Callable[[str, int, float], None],
         on_read: Callable[[int, float], None] = lambda nbytes, seconds: None,
@@ -89,22 +95,38 @@ class ReadStaging:
         finally:
             self.pool.unpin(needed)
         todo = todo[: len(rows)]
-        started = self._disk.begin_read(todo) if todo else None
-        if started is None:
-            self.pool.abort(todo, rows)
-            return
-        entries, holds = started
-        future = self._executor.submit(disk_to_staging, self._disk, entries, self.pool.slab, self._headers, rows)
-        job = _ReadJob(tuple(todo), tuple(rows), tuple(e.header.meta() for e in entries), holds, self.generation,
-                       future, tuple(map(self._disk.located, todo)))
-        self._pending.append(job)
-        self._jobs.update(dict.fromkeys(todo, job))
+        step = self.job_blocks
+        for start in range(0, len(todo), step):
+            ids, job_rows = tuple(todo[start : start + step]), tuple(rows[start : start + step])
+            started = self._disk.begin_read(ids)
+            if started is None:  # not registered any more (or its file went away): the rest is not read
+                self.pool.abort(todo[start:], rows[start:])
+                return
+            entries, holds = started
+            future = self._executor.submit(disk_to_staging, self._disk, entries, self.pool.slab, self._headers, job_rows)
+            job = _ReadJob(ids, job_rows, tuple(e.header.meta() for e in entries), holds, self.generation, future,
+                           tuple(map(self._disk.located, ids)))
+            self._pending.append(job)
+            self._jobs.update(dict.fromkeys(ids, job))
+
+    @property
+    def job_blocks(self) -> int:
+        return max(1, JOB_BYTES // self._disk.slot_bytes)
+
+    def pending_bytes(self, block_ids: Sequence[BlockId]) -> int:
+        """Bytes still to read for these blocks (whole jobs: a job is read as one)."""
+        jobs = {id(job): job for job in map(self._jobs.get, block_ids) if job is not None}
+        return sum(len(job.ids) for job in jobs.values()) * self._disk.slot_bytes
 
     def wait(self, block_ids: Sequence[BlockId], timeout: Optional[float]) -> bool:
-        """Wait for the reads of these blocks; False on timeout (they stay in flight)."""
+        """Wait for the reads of these blocks, moved ahead of other prefetches; False on timeout.
+
+        On a timeout the reads stay in flight (and staged when they end, for a later request).
+        """
         futures = {self._jobs[b].future for b in block_ids if b in self._jobs}
         if not futures:
             return True
+        self._executor.promote(futures)
         _, not_done = wait(futures, timeout=timeout)
         self.collect()
         return not not_done
@@ -124,13 +146,15 @@ class ReadStaging:
         self._pending = still
 
     def _finish(self, job: _ReadJob) -> None:
-        self._disk.end_read(job.ids, job.holds)
+        current = job.generation == self.generation
+        # Pins of a forgotten generation went with the index: a newer read of the same block may hold one now.
+        self._disk.end_read(job.ids if current else (), job.holds)
         try:
             failed, seconds = job.future.result()
         except Exception:  # the request recomputes; nothing is staged
             logger.exception("kvbm: disk read of %d blocks failed", len(job.ids))
             failed, seconds = [(i, "I/O error") for i in range(len(job.ids))], 0.0
-        if job.generation != self.generation:
+        if not current:
             self.pool.abort(job.ids, job.rows)  # reset while reading: the blocks belong to a dropped cache
             return
         bad = {i for i, _ in failed}

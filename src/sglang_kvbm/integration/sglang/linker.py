@@ -8,6 +8,8 @@ SGLang's default tree (``UnifiedRadixCache``) drives it through
   The wrapper intersects the answer across attention ranks.
 * ``load`` (admission, after slots were allocated): pins every block, or
   refuses (the request recomputes the span); disk bytes are verified first.
+  Every attention rank answers the same (SGLang requires one branch on all
+  ranks): a rank's refusal is reduced across them before ``load`` returns.
 * ``start_layer_wise_loading`` / ``finish_layer_wise_loading``: the batch's
   copies run on the loader thread one layer at a time while the forward waits
   only for the layer it reads.
@@ -50,6 +52,7 @@ logger = logging.getLogger(__name__)
 # linker's constructor: resolving the hook targets keeps import frames alive, which would pin that linker.
 hooks.install()
 PUBLISH_INTERVAL_S = 0.05  # how fresh /stats and /metrics are
+QUIESCE_TIMEOUT_S = 60.0  # reset() waits this long for copies in flight; later ones change nothing when they end
 
 
 class KvbmLinker(UnifiedCacheLinker):
@@ -76,8 +79,9 @@ class KvbmLinker(UnifiedCacheLinker):
             from sglang_kvbm.metrics import KvbmMetrics
 
             self.metrics = KvbmMetrics(self._metrics_snapshot)
+        extra = extra_config or {}
         tiers = build_tiers(params, config, self.setup.identity, observer=self.metrics,
-                            offload_executor=(extra_config or {}).get("offload_executor"))
+                            offload_executor=extra.get("offload_executor"), disk_writer=extra.get("disk_writer"))
         self.layout, self.manager, self.policy = tiers.layout, tiers.manager, tiers.policy
         self.connector = KvbmConnector(
             self.manager, self.sink, page_size=params.page_size,
@@ -99,6 +103,7 @@ class KvbmLinker(UnifiedCacheLinker):
             self.endpoint = start_http(self, config, self.metrics, port_offset=self.setup.dp_rank)
         self._published_at = 0.0
         self._closed = False
+        self.quiesce_timeout = QUIESCE_TIMEOUT_S
 
     # -- the contract ---------------------------------------------------------------
 
@@ -109,7 +114,14 @@ class KvbmLinker(UnifiedCacheLinker):
 
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
         kv = _kv(transfers)
-        plan = self.connector.acquire(kv.keys)
+        plan = None
+        try:
+            plan = self.connector.acquire(kv.keys)
+        finally:  # also when acquire raised: the other ranks are in the reduction already
+            if self.setup.ranks_agreeing > 1 and not self._all_ranks_agree(plan is not None):
+                if plan is not None:
+                    self.connector.cancel(plan)
+                plan = None
         if plan is None:
             return False
         old = self._queued.pop(rid, None)
@@ -173,9 +185,38 @@ class KvbmLinker(UnifiedCacheLinker):
     def pop_completed_offload(self) -> bool:
         return self.connector.pop_completed_offload()
 
+    def _all_ranks_agree(self, ok: bool) -> bool:
+        """MIN-reduce a rank's yes/no over the attention ranks, through the tree's own reduction (lookup's groups)."""
+        flag = torch.tensor([int(ok)], dtype=torch.int)
+        self.cache._all_reduce_attn_groups(flag, torch.distributed.ReduceOp.MIN)
+        return bool(flag[0])
+
+    def quiesce(self, timeout: Optional[float] = None) -> bool:
+        """Wait until no copy touches device or tier memory (loads, offloads, disk reads and writes); False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        idle = self.loader.wait_idle(timeout)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return self.connector.flush(left) and idle
+
+    def _quiesce_or_warn(self, what: str) -> None:
+        if not self.quiesce(self.quiesce_timeout):
+            logger.warning("kvbm: %s: copies still in flight after %.0f s; they will register nothing when they end",
+                           what, self.quiesce_timeout)
+
+    def drop_tiers(self) -> None:
+        """Forget every block of every tier, announcing their removal (the device cache stays as it is).
+
+        For what makes the tiers' bytes wrong while the tree keeps its nodes (a
+        weight update without a flush): offloads the tree waits for still
+        complete, in order, as not held.
+        """
+        self._quiesce_or_warn("dropping the tiers")
+        self.manager.drop()
+        self.connector.poll()
+
     def reset(self) -> None:
         """Quiesce the copies and forget every tier (the tree publishes ``AllBlocksCleared``)."""
-        self.loader.wait_idle()
+        self._quiesce_or_warn("reset")
         for plan, _ in self._queued.values():
             self.connector.cancel(plan)
         for plans in self._batches.values():
