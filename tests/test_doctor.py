@@ -145,6 +145,18 @@ def test_pip_is_told_the_same_range():
     assert f'sglang = ["sglang{SUPPORTED_SGLANG}"]' in pyproject
 
 
+def test_license_is_an_spdx_expression_with_its_file():
+    """PEP 639: a TOML-table license is deprecated (setuptools stops building it after 2027-02-18)."""
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(__file__).resolve().parents[1]
+    pyproject = tomllib.loads((root / "pyproject.toml").read_text())
+    assert pyproject["project"]["license"] == "Apache-2.0"
+    assert pyproject["project"]["license-files"] == ["LICENSE"]
+    assert "setuptools>=77" in pyproject["build-system"]["requires"]  # the first to read license-files
+    text = (root / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
+
+
 def test_version_module_imports_neither_sglang_nor_torch():
     code = "import sys, sglang_kvbm.versions; print([m for m in ('sglang', 'torch') if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
