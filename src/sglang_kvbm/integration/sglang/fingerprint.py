@@ -209,3 +209,14 @@ def weight_settings(load_format: Optional[str], json_model_override_args: Option
         "weights_drawn_at_start": None if fmt in _FILE_FORMATS else uuid.uuid4().hex,
         "json_model_override_args": overrides,
     }
+
+
+def rekeyed(fingerprint: bytes, reason: str) -> bytes:
+    """A new identity for a running server whose weights were replaced in memory (``reason`` says how).
+
+    Derived from the old one, the reason and a random draw: no server started
+    from files, nor this one after a restart, ever computes it, so what the
+    disk tier writes from now on is never read by another server.
+    """
+    draw = f"weights updated in memory: {reason}: {uuid.uuid4().hex}".encode()
+    return hashlib.sha256(fingerprint + draw).digest()[:16]

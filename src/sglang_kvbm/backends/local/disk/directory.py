@@ -4,7 +4,8 @@
 segment files and index. A server restarted with the same identity finds its
 directory again (a warm start); a second live server with the same identity
 gets a private directory and starts cold; directories of other identities that
-no live server holds are removed at start-up. Everything is created 0700 / 0600,
+no live server holds are removed at start-up. A server whose weights are
+replaced in memory renames its directory to a new identity (:func:`move`). Everything is created 0700 / 0600,
 and a directory others can write is refused.
 """
 
@@ -74,12 +75,44 @@ def claim(root: Path, fingerprint: bytes) -> tuple[Path, IO, bool]:
 def reclaim_stale(root: Path, keep: Path) -> None:
     """Remove directories of other identities that no live server holds."""
     for other in root.glob(DIR_PREFIX + "*"):
-        if other == keep or not other.is_dir() or not (other / "lock").exists():
-            continue
-        try:
-            with _open_lock(other) as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if a live server holds it
-                shutil.rmtree(other)
-            logger.info("kvbm: reclaimed %s, a disk cache of another server identity that no server holds", other)
-        except (BlockingIOError, OSError):
-            continue
+        if other != keep:
+            _reclaim(other)
+
+
+def _reclaim(other: Path) -> bool:
+    """Remove ``other`` if it is a disk cache no live server holds; whether it is gone."""
+    if not other.is_dir() or not (other / "lock").exists():
+        return False
+    try:
+        with _open_lock(other) as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if a live server holds it
+            shutil.rmtree(other)
+        logger.info("kvbm: reclaimed %s, a disk cache of another server identity that no server holds", other)
+        return True
+    except (BlockingIOError, OSError):
+        return False
+
+
+def move(current: Path, fingerprint: bytes) -> Path:
+    """Rename this server's (locked) directory to ``fingerprint``'s name; returns the new path.
+
+    The lock, the open segment files and their registrations go with it (they
+    name inodes, not paths). The old identity's name is then free: a server
+    started on it later starts cold. A directory already under the new name is
+    reclaimed if no live server holds it; otherwise this one takes a private name.
+    """
+    target = identity_dir(current.parent, fingerprint)
+    if target == current:
+        return current
+    if target.exists() and not _reclaim(target):
+        target = target.with_name(f"{target.name}-{os.getpid()}")
+        if target.exists():  # a private directory this process left under that identity before
+            shutil.rmtree(target)
+    try:
+        os.rename(current, target)
+    except OSError as exc:  # the new fingerprint alone still keeps the old identity from reading (journal, headers)
+        logger.warning("kvbm: could not rename the disk tier directory %s to %s (%s); it keeps its name",
+                       current, target, exc.strerror)
+        return current
+    logger.info("kvbm: disk tier directory %s is now %s", current, target)
+    return target

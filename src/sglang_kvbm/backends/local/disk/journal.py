@@ -188,6 +188,18 @@ class IndexJournal:
         except OSError as exc:
             logger.warning("kvbm: could not write the disk index %s (%s)", path, exc.strerror)
 
+    def rekey(self, directory: Path, fingerprint: bytes, entries: list[tuple[int, BlockHeader]]) -> None:
+        """Go on in ``directory`` (the same files, renamed) under another identity, starting from ``entries``.
+
+        The snapshot is rewritten under ``fingerprint`` and the journal emptied:
+        nothing recorded under the old identity is replayed under the new one,
+        and records of the new one are ignored by a server of the old (every
+        record's header names its fingerprint).
+        """
+        self._dir, self._fingerprint = directory, fingerprint
+        self.snapshot(entries)
+        self._last_snapshot = time.monotonic()
+
     def close(self, entries: list[tuple[int, BlockHeader]]) -> None:
         if self._file is None:
             return

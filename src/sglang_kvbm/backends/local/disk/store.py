@@ -243,5 +243,25 @@ class DiskStore:
         self.segments.close()
         self._lock_file.close()
 
+    # -- another identity while serving (scheduler thread) --------------------------------
+
+    def rekey(self, fingerprint: bytes) -> None:
+        """Go on under ``fingerprint``: the directory is renamed to its name, the journal restarts under it,
+        and every later write's header carries it (a read is verified against it).
+
+        For weights replaced in memory: a server started on the files the old
+        identity names must never find what is written from now on. Drop the
+        tier's blocks first (``KvbmLinker.drop_tiers``, which also quiesces the
+        copies): a block still registered here keeps its old header and fails
+        verification when read (a miss). The segment files, their NIXL
+        registrations and the lock move with the directory; no byte is copied.
+        """
+        self.directory = identity_dir.move(self.directory, fingerprint)
+        self.segments.directory = self.directory
+        for segment in self.segments.segments:  # a retired file is recreated at its path: the new one
+            segment.path = self.directory / segment.path.name
+        self.fingerprint = fingerprint
+        self._journal.rekey(self.directory, fingerprint, self._index.entries())
+
 
 __all__ = ["DiskEntry", "DiskIOError", "DiskStats", "DiskStore", "Reservation"]
