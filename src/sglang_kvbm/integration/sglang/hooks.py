@@ -18,9 +18,15 @@ only (any other linker passes through untouched):
   ``counter.attach_kvbm_worker(worker)``: the disk onboarding policy times prefill
   on *that* worker instance.
 
+The weight updater's methods get the hooks of ``weight_updates`` (weights
+replaced in memory: drop the tiers, move the disk identity; the KV cache about
+to be paused: quiesce the copies first).
+
 Installed when the linker module is imported (in the scheduler process, SGLang
 imports it to build the linker), so before SGLang calls either method;
-installing twice is a no-op.
+installing twice is a no-op. The scheduler builds its tree (importing the
+linker) before its weight updater and request dispatcher, so the dispatcher
+binds the hooked methods.
 """
 
 from __future__ import annotations
@@ -54,5 +60,10 @@ def install() -> None:
     source = HookSource("kvbm", "sglang-kvbm")
     HookRegistry.register(_CACHE_TARGET, _after_wrapper_init, HookType.AFTER, source=source)
     HookRegistry.register(_WORKER_TARGET, _after_register_counter, HookType.AFTER, source=source)
+    from sglang_kvbm.integration.sglang import weight_updates
+
+    kinds = {"before": HookType.BEFORE, "after": HookType.AFTER}
+    for target, hook, kind in weight_updates.hooks():
+        HookRegistry.register(target, hook, kinds[kind], source=source)
     HookRegistry.apply_hooks()
     _installed = True
