@@ -249,3 +249,41 @@ def test_a_server_without_this_linker_is_left_alone(stack_factory):
     updater.scheduler = None
     answer = updater.update_weights_from_tensor(UpdateWeightsFromTensorReqInput(serialized_named_tensors=[]))
     assert not answer.success  # SGLang's own refusal (no session), nothing of ours in the way
+
+
+# -- a real server ---------------------------------------------------------------------------------
+
+
+def identity_dirs(directory) -> list:
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith("sglang-kvbm-"))
+
+
+@pytest.mark.server
+def test_real_server_update_weights_from_disk_moves_the_disk_tier(model_dir, tmp_path):
+    """SGLang's own /update_weights_from_disk, without a flush: what is written after it never comes back."""
+    import requests
+
+    from sglang_kvbm.testing.model import prompt_ids
+    from test_server_disk import start
+
+    directory = tmp_path / "kvbm-disk"
+    before, after = ([prompt_ids(seed, 600) for seed in seeds] for seeds in ((20, 21, 22), (30, 31, 32)))
+    with start(model_dir, directory, tmp_path / "server.log") as server:
+        for prompt in before:
+            server.generate(prompt, max_new_tokens=1)
+        original = identity_dirs(directory)
+        response = requests.post(f"{server.url}/update_weights_from_disk",
+                                 json={"model_path": str(model_dir), "flush_cache": False}, timeout=600)
+        assert response.json()["success"], response.text
+        moved = identity_dirs(directory)
+        assert len(original) == len(moved) == 1 and moved != original
+        for prompt in after + after[:1]:  # the new weights' KV: device -> host -> disk, then served from disk
+            result = server.generate(prompt, max_new_tokens=1)
+        assert result["meta_info"]["cached_tokens_details"].get("storage", 0) > 0, result["meta_info"]
+    assert "disk tier moved from identity" in (tmp_path / "server.log").read_text()
+
+    with start(model_dir, directory, tmp_path / "restart.log") as server:  # the original files again
+        assert identity_dirs(directory) == original
+        for prompt in (after[0], before[0]):
+            assert server.generate(prompt, max_new_tokens=1)["meta_info"]["cached_tokens"] == 0
+    assert "restored" not in (tmp_path / "restart.log").read_text()
