@@ -1,7 +1,7 @@
-"""The two places SGLang hands the linker what its contract does not: the tree, and the model worker.
+"""The places SGLang hands the linker what its contract does not: the tree, the model worker, the weight updater.
 
 A linker is constructed before the tree cache adopts it, and it is never
-given the cache or the model worker. Two AFTER hooks through SGLang's own
+given the cache, the model worker or word of a weight update. Hooks through SGLang's own
 ``HookRegistry`` close that gap, for a :class:`~sglang_kvbm.integration.sglang.linker.KvbmLinker`
 only (any other linker passes through untouched):
 
@@ -16,14 +16,14 @@ only (any other linker passes through untouched):
   constructor would come too late for it;
 * ``TpModelWorker.register_hicache_layer_transfer_counter`` ->
   ``counter.attach_kvbm_worker(worker)``: the disk onboarding policy times prefill
-  on *that* worker instance.
-
-The weight updater's methods get the hooks of ``weight_updates`` (weights
-replaced in memory: drop the tiers, move the disk identity; the KV cache about
-to be paused: quiesce the copies first).
+  on *that* worker instance;
+* ``SchedulerWeightUpdaterManager``'s ``update_weights_from_*``,
+  ``end_weight_update`` (AFTER) and ``release_memory_occupation`` (BEFORE) ->
+  ``weight_updates``: weights replaced in memory drop the tiers and move the
+  disk identity; copies are quiesced before the KV cache is paused.
 
 Installed when the linker module is imported (in the scheduler process, SGLang
-imports it to build the linker), so before SGLang calls either method;
+imports it to build the linker), so before SGLang calls any of them;
 installing twice is a no-op. The scheduler builds its tree (importing the
 linker) before its weight updater and request dispatcher, so the dispatcher
 binds the hooked methods.
