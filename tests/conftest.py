@@ -35,19 +35,32 @@ class GatedLanes(LaneExecutor):
     """The disk writer as in production (one thread, device -> disk ahead of background writes), each job
     held until the test lets it run (:meth:`allow`): makes "a disk write is queued" a state a test can hold."""
 
-    def __init__(self) -> None:
-        super().__init__("kvbm-test-disk-write")
+    def __init__(self, name: str = "kvbm-test-disk-write") -> None:
+        super().__init__(name)
         self._passes = threading.Semaphore(0)
-        self.submitted = self.allowed = 0
+        self._held = threading.Condition()
+        self.submitted = self.allowed = self.held = 0
 
     def _put(self, lane, fn, args, kwargs):
         self.submitted += 1
         def gated(*a, **k):
-            if not self._passes.acquire(timeout=120):
-                raise TimeoutError("the test never let this disk write run")
+            with self._held:
+                self.held += 1
+                self._held.notify_all()
+            try:
+                if not self._passes.acquire(timeout=120):
+                    raise TimeoutError("the test never let this job run")
+            finally:
+                with self._held:
+                    self.held -= 1
             return fn(*a, **k)
 
         return super()._put(lane, gated, args, kwargs)
+
+    def wait_held(self) -> None:
+        """Return once the thread has taken a job and waits for its pass (so later jobs queue behind it)."""
+        with self._held:
+            assert self._held.wait_for(lambda: self.held, timeout=60), "the thread took no job"
 
     def allow(self, jobs: int = 1) -> None:
         self.allowed += jobs
@@ -196,6 +209,7 @@ def build_stack(
     events: bool = False,
     gated: bool = False,
     gated_writer: bool = False,
+    reader=None,
     min_offload_priority: int = 0,
     executor=None,
     layers: int = 2,
@@ -239,7 +253,8 @@ def build_stack(
         host_offload_min_priority=min_offload_priority,
         **(config or {}),
     )
-    cache = build_cache(params, kvbm_config, identity=identity, offload_executor=executor, disk_writer=writer)
+    cache = build_cache(params, kvbm_config, identity=identity, offload_executor=executor, disk_writer=writer,
+                        disk_reader=reader)
     return Stack(cache, allocator, kvcache, executor, page_size, size, writer)
 
 

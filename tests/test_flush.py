@@ -46,6 +46,7 @@ def test_disk_write_queued_before_a_flush_never_commits_another_blocks_bytes(sta
     x, other = list(range(PAGE)), list(range(500, 500 + 4 * PAGE))
     original = stack.insert(x, seed=1)
     _copied_to_host(stack)  # X in the host tier; its host -> disk write is queued, pinning its row
+    stack.writer.wait_held()  # the writer took it (and waits for the test)
     assert stack.writer.submitted == 1
 
     stack.tree.reset()  # /flush_cache

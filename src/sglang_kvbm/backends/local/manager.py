@@ -60,9 +60,10 @@ class LocalBlockManager:
         staging_blocks: int = 0,
         executor: Optional[Executor] = None,
         writer: Optional[LaneExecutor] = None,
+        reader: Optional[LaneExecutor] = None,
         load_timeout: float = 30.0,
     ) -> None:
-        """``executor`` and ``writer`` (tests) replace the device -> host worker and the disk writer.
+        """``executor``, ``writer`` and ``reader`` (tests) replace the device -> host worker and the disk threads.
 
         ``load_timeout`` caps how long a load waits for its own disk reads (the
         read meter's estimate for them usually ends the wait much sooner).
@@ -81,7 +82,7 @@ class LocalBlockManager:
         self._reader = None
         self.staging: Optional[ReadStaging] = None
         if disk is not None:
-            self._reader = LaneExecutor("kvbm-disk-read")
+            self._reader = reader or LaneExecutor("kvbm-disk-read")
             if self.host is not None:
                 disk.register_dram(self.host.slab)
             on_read = policy.read.record if policy is not None else (lambda nbytes, seconds: None)

@@ -47,7 +47,7 @@ class Tiers:
 
 def build_tiers(
     params: CacheInitParams, config: KvbmConfig, identity: Identity, observer=None, offload_executor=None,
-    disk_writer=None,
+    disk_writer=None, disk_reader=None,
 ) -> Tiers:
     """The host and disk tiers below ``params``' device pool, as ``config`` describes them."""
     config.require_a_tier()
@@ -74,7 +74,7 @@ def build_tiers(
         offload_filter = None if config.disable_disk_offload_filter else FrequencyFilter()
     manager = LocalBlockManager(
         layout, host_blocks, pin=layout.is_cuda, disk=disk, offload_filter=offload_filter, policy=policy,
-        observer=observer, executor=offload_executor, writer=disk_writer,
+        observer=observer, executor=offload_executor, writer=disk_writer, reader=disk_reader,
     )
     logger.info(
         "kvbm: local backend, page %d tokens, block %d bytes (%d buffers, %d layers); host tier %d blocks (%.2f GiB%s); "

@@ -58,21 +58,22 @@ def ensure_runtime_context(device: str) -> None:
 
 def build_cache(
     params: CacheInitParams, config: KvbmConfig, *, identity: Optional[Identity] = None, offload_executor=None,
-    disk_writer=None,
+    disk_writer=None, disk_reader=None,
 ) -> "KvbmCache":
     """SGLang's default tree over ``params``' pools with KVBM's tiers below it (``config``).
 
     ``identity`` names what the disk tier's bytes depend on (the model, its
     settings, this rank); ``offload_executor`` replaces the device -> host copy
-    worker and ``disk_writer`` (a ``LaneExecutor``) the disk writer (tests hold
-    copies in flight with them; each must run one job at a time).
+    worker, ``disk_writer`` and ``disk_reader`` (``LaneExecutor``) the disk
+    threads (tests hold copies in flight with them; one job at a time each).
     """
     kvcache = params.token_to_kv_pool_allocator.get_kvcache()
     ensure_runtime_context(str(kvcache.device))
     params.tree_components = (ComponentType.FULL,)
     tree = UnifiedRadixCache(params)
     # Without an identity, the disk tier's names this pool's shape and this process's ranks (from params' groups).
-    extra = {"config": config, "identity": identity, "offload_executor": offload_executor, "disk_writer": disk_writer}
+    extra = {"config": config, "identity": identity, "offload_executor": offload_executor, "disk_writer": disk_writer,
+             "disk_reader": disk_reader}
     linker = KvbmLinker(None, params, components={ComponentType.FULL}, extra_config=extra)
     tree.init_cache_linker(linker)  # adopting it attaches the linker to this tree (see hooks)
     kvcache.register_layer_transfer_counter(linker.layer_done_counter)

@@ -81,7 +81,8 @@ class KvbmLinker(UnifiedCacheLinker):
             self.metrics = KvbmMetrics(self._metrics_snapshot)
         extra = extra_config or {}
         tiers = build_tiers(params, config, self.setup.identity, observer=self.metrics,
-                            offload_executor=extra.get("offload_executor"), disk_writer=extra.get("disk_writer"))
+                            offload_executor=extra.get("offload_executor"), disk_writer=extra.get("disk_writer"),
+                            disk_reader=extra.get("disk_reader"))
         self.layout, self.manager, self.policy = tiers.layout, tiers.manager, tiers.policy
         self.connector = KvbmConnector(
             self.manager, self.sink, page_size=params.page_size,
