@@ -1,6 +1,9 @@
-"""A tensor-parallel pair: per-rank shards and directories, hits intersected across ranks by SGLang's wrapper.
+"""A tensor-parallel pair: per-rank shards and directories, hits intersected across ranks by SGLang's wrapper,
+and ``load()`` answering the same on both ranks when only one of them cannot load.
 
-Two real processes over a gloo group (see tp_pair_worker.py for why not a TP=2 server).
+Two real processes over a gloo group (see tp_pair_worker.py for why not a TP=2 server). SGLang requires
+every rank to take the same branch in ``load()``: a rank that loads while the other recomputes pairs its
+next collective with another kind on the other rank (a crash, or in production a hang).
 """
 
 import json
@@ -8,30 +11,60 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from sglang_kvbm.testing.server import free_port
 
 HERE = Path(__file__).resolve().parent
+PAGE = 4
 
 
-def test_tp_pair_loads_the_common_prefix_of_both_ranks_each_from_its_own_shard(tmp_path):
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tp")
     port = free_port()
     procs = [
         subprocess.Popen([sys.executable, str(HERE / "tp_pair_worker.py"), str(rank), str(port),
-                          str(tmp_path / f"rank{rank}.json"), str(tmp_path / "disk")])
+                          str(tmp / f"rank{rank}.json"), str(tmp / "disk")])
         for rank in (0, 1)
     ]
     try:
-        for proc in procs:
-            assert proc.wait(timeout=300) == 0
+        codes = [proc.wait(timeout=300) for proc in procs]
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-    r0, r1 = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1))
+                proc.wait()
+    assert codes == [0, 0], "a rank failed: its collectives did not pair up (see the output above)"
+    return [json.loads((tmp / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def _bytes_ok(result, attempt) -> bool:
+    got = result[attempt]
+    return len(got["pages"]) == got["loaded"] // PAGE and got["pages"] == result["written"][: len(got["pages"])]
+
+
+def test_tp_pair_loads_the_common_prefix_of_both_ranks_each_from_its_own_shard(ranks):
+    r0, r1 = (r["disagree"] for r in ranks)
     assert r0["local_hit"] == [8, 8] and r1["local_hit"] == [5, 5]  # (host run, host-or-disk run) per rank
     # SGLang intersects the ranks' restorable lengths: both load the 5 pages both hold.
-    assert r0["host_hit_length"] == r1["host_hit_length"] == 20
+    assert r0["hit"] == r1["hit"] == 20
     assert r0["loaded"] == r1["loaded"] == 20 and r0["landed"] and r1["landed"]
-    assert r0["bytes_ok"] and r1["bytes_ok"]  # each rank got its own shard back
+    for r in (r0, r1):  # each rank got its own shard back
+        assert r["pages"] == r["written"][:5]
     assert r0["disk_dir"] != r1["disk_dir"]  # the rank is part of the disk identity
     assert r0["events"] > 0 and r1["events"] == 0  # only attention-TP rank 0 publishes
+
+
+@pytest.mark.parametrize("scenario, first_hit, second_hit", [
+    ("corrupt", 32, 12),  # rank 1's page 3 fails verification: afterwards both hold 3 pages in common
+    ("slow_read", 16, 16),  # rank 1's read outlasts its meter's estimate: afterwards it is staged
+    ("staging_race", 16, 4),  # rank 1 lost page 1 between lookup and load: afterwards 1 page in common
+])
+def test_a_load_only_one_rank_can_serve_is_refused_on_both(ranks, scenario, first_hit, second_hit):
+    r0, r1 = (r[scenario] for r in ranks)
+    for r in (r0, r1):
+        assert r["first"]["hit"] == first_hit  # both looked it up as restorable
+        assert r["first"]["loaded"] == 0  # and both recomputed: rank 0 could have loaded, rank 1 could not
+        assert (r["second"]["hit"], r["second"]["loaded"], r["second"]["landed"]) == (second_hit, second_hit, True)
+    assert _bytes_ok(r0, "second") and _bytes_ok(r1, "second")  # the next load, after the next collectives
