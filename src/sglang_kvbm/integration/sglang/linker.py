@@ -200,6 +200,8 @@ class KvbmLinker(UnifiedCacheLinker):
         return self.connector.flush(left) and idle
 
     def _quiesce_or_warn(self, what: str) -> None:
+        # Loads first, unbounded: they write device pages and read rows their plans pin, and end in a copy's time.
+        self.loader.wait_idle()
         if not self.quiesce(self.quiesce_timeout):
             logger.warning("kvbm: %s: copies still in flight after %.0f s; they will register nothing when they end",
                            what, self.quiesce_timeout)
