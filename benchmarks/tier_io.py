@@ -146,8 +146,11 @@ def main(argv=None) -> int:
     stream = layout.new_stream()
 
     def g2_to_g1(batch):
-        for layer in range(layout.num_layers):
-            copies.load_layer(layout, stream, batch, layer)
+        with layout.copying(stream):
+            for layer in range(layout.num_layers):
+                copies.load_layer(layout, batch, layer)
+        if stream is not None:
+            stream.synchronize()  # enqueued only: time the copy itself
 
     slot_bytes = DiskStore.header_bytes_for(ps) + layout.block_bytes
     found = probe(root, 2 * n * slot_bytes, zerofill_fallback=False, disable_o_direct=False)
@@ -173,8 +176,11 @@ def main(argv=None) -> int:
 
     def g3_to_g1(entries):
         g3_to_staging(entries)
-        for layer in range(layout.num_layers):
-            layout.load_layer(layer, staging, staging_rows, targets, stream=stream)
+        with layout.copying(stream):
+            for layer in range(layout.num_layers):
+                layout.load_layer(layer, staging, staging_rows, targets)
+        if stream is not None:
+            stream.synchronize()
 
     nixl = NixlLimit(root / "limit.bin", disk_bytes)
     if shutil.which("fio") is None:

@@ -44,7 +44,7 @@ def load(manager, layout, ids, pages):
     slots = torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages])
     batch = copies.load_batch(layout, manager.load_parts(plan, layout.pages_of(slots)))
     for layer in range(layout.num_layers):
-        copies.load_layer(layout, None, batch, layer)
+        copies.load_layer(layout, batch, layer)
     manager.release(plan)
     return plan
 

@@ -24,3 +24,18 @@ def test_plugin_registration_imports_nothing_heavy():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_gpu_path_imports_torch_and_this_package_only():
+    """tests/gpu runs on machines with PyTorch and nothing else: the copy engine, the loader and the layer
+    counter must not pull SGLang, NIXL or any other dependency in."""
+    code = (
+        "import sys\n"
+        "import torch\n"
+        "before = set(sys.modules)\n"
+        "import sglang_kvbm.backends.local.manager, sglang_kvbm.backends.local.layer_loader\n"
+        "import sglang_kvbm.layer_counter, sglang_kvbm.cuda_copies, sglang_kvbm.kv_layout\n"
+        "print(sorted({m.split('.')[0] for m in set(sys.modules) - before} - {'sglang_kvbm'}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

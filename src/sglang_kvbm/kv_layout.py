@@ -10,20 +10,23 @@ to disk with O_DIRECT straight from the slab.
 Every copy takes its pages and rows as index tensors (pages on the pool's
 device, rows on the host) and moves a whole batch with a few large tensor
 operations per buffer: one slice copy when both sides are contiguous runs, one
-gather and one scatter otherwise; never one call per page. On CUDA the copies
-run on a stream the caller created for its worker (:meth:`new_stream`), through
-pinned staging, and return when the bytes have landed.
+gather and one scatter otherwise; never one call per page. On CUDA (see
+``cuda_copies``) the copies run on the stream a worker drew for itself
+(:meth:`new_stream`, apart from SGLang's), entered with :meth:`copying`, which
+orders them after the events they wait for on the GPU; index tensors are
+computed inside it, on that stream.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import weakref
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
 BLOCK_ALIGN = 4096
-_CUDA_STAGING_BYTES = 64 << 20  # per staging buffer of a CUDA copy
 
 
 def aligned_empty(shape: tuple[int, int], *, pin: bool = False) -> torch.Tensor:
@@ -123,6 +126,7 @@ class PagedKvLayout:
         self._views = [v.view(self._wtype) for v in byte_views]
         w = self._word
         self._spans = tuple((off // w, n // w) for off, n in zip(self.buffer_offsets, self.buffer_page_bytes))
+        self._streams_taken: set[int] = set()  # CUDA streams a new copy stream must not alias
 
     @property
     def is_cuda(self) -> bool:
@@ -140,55 +144,84 @@ class PagedKvLayout:
         """Page numbers of page-aligned token slots (on their device; no host sync)."""
         return torch.div(token_slots[:: self.page_size], self.page_size, rounding_mode="floor")
 
+    def avoid_streams(self, *streams) -> None:
+        """Streams no copy stream may be (the scheduler's, the forward's): ``new_stream`` draws around them."""
+        self._streams_taken.update(s.cuda_stream for s in streams if s is not None)
+
     def new_stream(self) -> Optional[torch.cuda.Stream]:
-        """A copy stream for one worker (CUDA), created by the caller before the worker starts; None on CPU."""
-        return torch.cuda.Stream(device=self.device) if self.is_cuda else None
+        """A copy stream for one worker (CUDA), none of SGLang's nor another worker's; None on CPU.
 
-    # -- device -> host -----------------------------------------------------
-
-    def save(
-        self,
-        pages: torch.Tensor,
-        host: torch.Tensor,
-        rows: torch.Tensor,
-        *,
-        stream: Optional[torch.cuda.Stream] = None,
-        ready: Iterable = (),
-    ) -> None:
-        """Copy device ``pages`` into host ``rows`` (every buffer); returns when the bytes are there.
-
-        ``ready``: events the copy waits for first (the forward that wrote the pages).
+        CUDA streams come from a fixed round-robin pool, so a fresh ``Stream()``
+        can be one already in use (the forward's, say): draw until it is not, as
+        SGLang does (``managers/utils.allocate_distinct_stream``).
         """
-        if pages.numel() != rows.numel():
-            raise ValueError(f"{pages.numel()} pages for {rows.numel()} rows")
-        host = host.view(self._wtype)
-        buffers = range(len(self._views))
+        if not self.is_cuda:
+            return None
+        self._streams_taken.add(torch.cuda.current_stream(self.device).cuda_stream)
+        for _ in range(65):
+            stream = torch.cuda.Stream(device=self.device)
+            if stream.cuda_stream not in self._streams_taken:
+                self._streams_taken.add(stream.cuda_stream)
+                return stream
+        raise RuntimeError("no CUDA stream left that SGLang or another kvbm worker does not use")
+
+    def worker_init(self) -> Optional[Callable[[], None]]:
+        """A copy worker thread's initializer (CUDA: its device and staging, before it copies); None on CPU."""
+        if not self.is_cuda:
+            return None
+        from sglang_kvbm.cuda_copies import start_worker
+
+        return functools.partial(start_worker, self.device)
+
+    @contextlib.contextmanager
+    def copying(self, stream: Optional[torch.cuda.Stream], ready: Iterable = ()):
+        """Copies inside run on ``stream`` after the ``ready`` events (on the GPU; on CPU: waited for here)."""
         if not self.is_cuda:
             for event in ready:
                 event.synchronize()
-            self._cpu_copy(host, rows, pages, buffers, to_host=True)
+            yield
             return
         with torch.cuda.stream(stream):
             for event in ready:
                 torch.cuda.current_stream().wait_event(event)
-            self._cuda_save(host, rows, pages)
-            torch.cuda.current_stream().synchronize()
+            yield
+
+    # -- device -> host -----------------------------------------------------
+
+    def save(self, pages: torch.Tensor, host: torch.Tensor, rows: torch.Tensor) -> None:
+        """Copy device ``pages`` into host ``rows`` (every buffer); returns when the bytes are there.
+
+        On CUDA, on the current stream (enter :meth:`copying` first).
+        """
+        if pages.numel() != rows.numel():
+            raise ValueError(f"{pages.numel()} pages for {rows.numel()} rows")
+        host = host.view(self._wtype)
+        if not self.is_cuda:
+            self._cpu_copy(host, rows, pages, range(len(self._views)), to_host=True)
+            return
+        from sglang_kvbm import cuda_copies
+
+        cuda_copies.save(self._views, self._spans, self._wtype, self.block_bytes // self._word, host, rows, pages)
 
     # -- host -> device -----------------------------------------------------
 
-    def load(self, host: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor, *, stream=None) -> None:
+    def load(self, host: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor) -> None:
         """Copy host ``rows`` into device ``pages``, every layer; returns when the bytes are there."""
         for layer in range(self.num_layers):
-            self.load_layer(layer, host, rows, pages, stream=stream)
+            self.load_layer(layer, host, rows, pages)
+        if self.is_cuda:
+            torch.cuda.current_stream().synchronize()
 
     def load_layer(
-        self, layer: int, host: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor, *, stream=None,
+        self, layer: int, host: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor,
         runs: Optional[tuple[Optional[int], Optional[int]]] = None,
     ) -> None:
-        """Copy the buffers of ``layer`` from host ``rows`` into device ``pages``; returns when they landed.
+        """Copy the buffers of ``layer`` from host ``rows`` into device ``pages``.
 
-        ``runs``: ``(run_start(rows), run_start(pages))`` when the caller loads the same rows layer
-        after layer (CPU only; computed here otherwise).
+        On CPU it returns when they landed; on CUDA the copy is enqueued on the
+        current stream (record an event after it). ``runs``: ``(run_start(rows),
+        run_start(pages))`` when the caller loads the same rows layer after
+        layer (CPU only; computed here otherwise).
         """
         if pages.numel() != rows.numel():
             raise ValueError(f"{rows.numel()} rows for {pages.numel()} pages")
@@ -198,9 +231,9 @@ class PagedKvLayout:
         if not self.is_cuda:
             self._cpu_copy(host, rows, pages, self.layers[layer], to_host=False, runs=runs)
             return
-        with torch.cuda.stream(stream):
-            self._cuda_load(host, rows, pages, self.layers[layer])
-            torch.cuda.current_stream().synchronize()
+        from sglang_kvbm import cuda_copies
+
+        cuda_copies.load(self._views, self._spans, self._wtype, host, rows, pages, self.layers[layer])
 
     # -- CPU: one slice copy per buffer for contiguous runs, else gather + scatter --
 
@@ -228,49 +261,6 @@ class PagedKvLayout:
                     view[p0 : p0 + n].copy_(source)
                 else:
                     view.index_copy_(0, pages, source)
-
-    # -- CUDA: gather on the device, one D2H per staging chunk; H2D through pinned staging --
-
-    def _chunk_rows(self, row_words: int) -> int:
-        return max(1, _CUDA_STAGING_BYTES // (row_words * self._word))
-
-    def _cuda_save(self, host, rows, pages) -> None:
-        words = self.page_bytes // self._word
-        step = self._chunk_rows(words)
-        pages = pages.to(self.device, non_blocking=True)
-        for start in range(0, rows.numel(), step):
-            chunk_pages = pages[start : start + step]
-            chunk_rows = rows[start : start + step]
-            gathered = torch.cat([view.index_select(0, chunk_pages) for view in self._views], dim=1)
-            r0 = run_start(chunk_rows)
-            if r0 is not None:
-                host[r0 : r0 + chunk_rows.numel(), :words].copy_(gathered, non_blocking=True)
-                continue
-            landed = torch.empty(gathered.shape, dtype=self._wtype, pin_memory=True)
-            landed.copy_(gathered, non_blocking=True)
-            torch.cuda.current_stream().synchronize()
-            host[:, :words].index_copy_(0, chunk_rows, landed)
-
-    def _cuda_load(self, host, rows, pages, buffers) -> None:
-        spans = [self._spans[b] for b in buffers]
-        words = sum(width for _, width in spans)
-        step = self._chunk_rows(words)
-        pages = pages.to(self.device, non_blocking=True)
-        for start in range(0, rows.numel(), step):
-            chunk_rows = rows[start : start + step]
-            n = chunk_rows.numel()
-            pinned = torch.empty((n, words), dtype=self._wtype, pin_memory=True)
-            at = 0
-            for off, width in spans:  # gather this layer's columns of the rows on the host
-                torch.index_select(host[:, off : off + width], 0, chunk_rows, out=pinned[:, at : at + width])
-                at += width
-            staged = pinned.to(self.device, non_blocking=True)
-            chunk_pages = pages[start : start + step]
-            at = 0
-            for b, (_, width) in zip(buffers, spans):
-                self._views[b].index_copy_(0, chunk_pages, staged[:, at : at + width])
-                at += width
-            torch.cuda.current_stream().synchronize()  # the pinned buffer is freed after this chunk
 
     # -- tests and tools ---------------------------------------------------------
 

@@ -39,11 +39,11 @@ if _HOLD and _RECORD:
             def wait_until(layer):
                 started = time.monotonic()
                 original_wait(layer)
-                if counter.futures.get(counter.consumer_index) is not None:
+                if counter.consuming():
                     _log(f"wait {layer} {started:.6f} {time.monotonic():.6f}")
 
             counter.wait_until = wait_until
 
         loader_cls.__init__ = init
 
-    patch_on_import({"sglang_kvbm.integration.sglang.layer_loader": _patch})
+    patch_on_import({"sglang_kvbm.backends.local.layer_loader": _patch})

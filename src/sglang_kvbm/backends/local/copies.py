@@ -15,6 +15,11 @@ Each function runs on the worker thread that owns its path and its buffers
 
 A disk block never goes straight to the device: it is read into a host staging
 row and verified there first, then loaded like a host block.
+
+On CUDA every copy runs on its worker's stream after the events it was handed
+(the scheduler's stream computed the slots; the forward wrote the pages), and
+everything computed from device slots (page numbers, their selection) is
+computed there, after those waits (``PagedKvLayout.copying``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ from sglang_kvbm.kv_layout import PagedKvLayout, index, run_start
 
 
 def _pages(layout: PagedKvLayout, request: StoreRequest, positions: Sequence[int]) -> torch.Tensor:
+    """The device pages at ``positions`` of a store (call inside ``layout.copying``: it reads device slots)."""
+    if layout.is_cuda:
+        request.pages.record_stream(torch.cuda.current_stream())  # made on the scheduler's stream, read on this one
     pages = layout.pages_of(request.pages)
     if len(positions) != pages.numel() or list(positions) != list(range(len(positions))):
         pages = pages.index_select(0, index(positions, pages.device))
@@ -40,7 +48,8 @@ def _pages(layout: PagedKvLayout, request: StoreRequest, positions: Sequence[int
 def device_to_host(layout, stream, request: StoreRequest, positions, slab, rows) -> tuple[list[BlockMeta], float]:
     """Device pages into host rows; returns the pages' metas (built here, off the scheduler thread)."""
     started = time.perf_counter()
-    layout.save(_pages(layout, request, positions), slab, index(rows), stream=stream, ready=request.ready)
+    with layout.copying(stream, request.ready):
+        layout.save(_pages(layout, request, positions), slab, index(rows))
     seconds = time.perf_counter() - started
     return request.describe(positions), seconds
 
@@ -49,14 +58,15 @@ def device_to_disk(layout, stream, disk, request: StoreRequest, positions, reser
     """Device pages to disk slots through the writer's staging rows (when no host row was free)."""
     started = time.perf_counter()
     metas = request.describe(positions)
-    pages = _pages(layout, request, positions)
     staging = disk.write_staging
     step = staging.shape[0]
     headers = []
-    for start in range(0, len(reserved), step):
-        n = min(step, len(reserved) - start)
-        layout.save(pages[start : start + n], staging, torch.arange(n), stream=stream, ready=request.ready)
-        headers += disk.write(reserved[start : start + n], metas[start : start + n], [staging[i] for i in range(n)])
+    with layout.copying(stream, request.ready):
+        pages = _pages(layout, request, positions)
+        for start in range(0, len(reserved), step):
+            n = min(step, len(reserved) - start)
+            layout.save(pages[start : start + n], staging, torch.arange(n))
+            headers += disk.write(reserved[start : start + n], metas[start : start + n], [staging[i] for i in range(n)])
     return metas, headers, time.perf_counter() - started
 
 
@@ -103,7 +113,8 @@ def load_batch(layout: PagedKvLayout, parts: Sequence[tuple[torch.Tensor, Sequen
     return LoadBatch(tuple(sources), blocks, total * layout.page_bytes)
 
 
-def load_layer(layout: PagedKvLayout, stream: Optional[torch.cuda.Stream], batch: LoadBatch, layer: int) -> None:
-    """One layer of every block of ``batch`` into its device pages; returns when it has landed."""
+def load_layer(layout: PagedKvLayout, batch: LoadBatch, layer: int) -> None:
+    """One layer of every block of ``batch`` into its device pages (CPU: landed; CUDA: enqueued on the current
+    stream, inside ``layout.copying``)."""
     for slab, rows, pages, runs in batch.sources:
-        layout.load_layer(layer, slab, rows, pages, stream=stream, runs=runs)
+        layout.load_layer(layer, slab, rows, pages, runs=runs)

@@ -24,7 +24,9 @@ from typing import Callable, Optional
 
 
 class LaneExecutor(Executor):
-    def __init__(self, thread_name: str) -> None:
+    def __init__(self, thread_name: str, initializer: Optional[Callable[[], None]] = None) -> None:
+        """``initializer`` runs first on the thread (a CUDA copy worker's device and staging, see ``cuda_copies``)."""
+        self._initializer = initializer
         self._cv = threading.Condition()
         self._urgent: deque = deque()
         self._background: deque = deque()
@@ -70,6 +72,8 @@ class LaneExecutor(Executor):
             return None
 
     def _run(self) -> None:
+        if self._initializer is not None:
+            self._initializer()
         while (job := self._next()) is not None:
             future, fn, args, kwargs = job
             if not future.set_running_or_notify_cancel():

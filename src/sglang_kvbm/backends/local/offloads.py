@@ -25,7 +25,7 @@ import itertools
 import logging
 import operator
 from collections import deque
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from itertools import compress
 from typing import Callable, Optional, Sequence
 
@@ -75,9 +75,10 @@ class Offloads:
         self.stats = stats
         self._emit = emit
         self._observe = observe
-        self._offload = executor or ThreadPoolExecutor(1, thread_name_prefix="kvbm-offload")
+        # Threads start now (their CUDA device and staging with them, not mid-serving).
+        self._offload = executor or LaneExecutor("kvbm-offload", layout.worker_init())
         self._offload_stream = layout.new_stream()
-        self._writer = (writer or LaneExecutor("kvbm-disk-write")) if disk is not None else None
+        self._writer = (writer or LaneExecutor("kvbm-disk-write", layout.worker_init())) if disk is not None else None
         self._writer_stream = layout.new_stream() if disk is not None else None
         self._jobs: deque[_Job] = deque()  # device -> lower tier, in submission order
         self._writes: deque[_Job] = deque()  # host -> disk

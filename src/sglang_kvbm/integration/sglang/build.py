@@ -47,7 +47,7 @@ class Tiers:
 
 def build_tiers(
     params: CacheInitParams, config: KvbmConfig, identity: Identity, observer=None, offload_executor=None,
-    disk_writer=None, disk_reader=None,
+    disk_writer=None, disk_reader=None, forward_stream=None,
 ) -> Tiers:
     """The host and disk tiers below ``params``' device pool, as ``config`` describes them."""
     config.require_a_tier()
@@ -55,6 +55,10 @@ def build_tiers(
     allocator = params.token_to_kv_pool_allocator
     kvcache = allocator.get_kvcache()
     layout = paged_layout(kvcache, params.page_size)
+    if layout.is_cuda:  # the copy streams are drawn apart from the scheduler's (current) and the forward's
+        import torch
+
+        layout.avoid_streams(torch.cuda.current_stream(layout.device), forward_stream)
     host_blocks = config.host_blocks(layout.block_bytes)
     device_pages = allocator.size // params.page_size
     if config.has_host and host_blocks < device_pages:
@@ -99,7 +103,8 @@ def _build_disk(config: KvbmConfig, layout: PagedKvLayout, fingerprint: bytes, d
     )
     logger.info("kvbm: disk identity %s: %s", fingerprint.hex(), description)
     disk = DiskStore(
-        probe=found, num_slots=blocks, block_bytes=layout.block_bytes, fingerprint=fingerprint, page_size=layout.page_size
+        probe=found, num_slots=blocks, block_bytes=layout.block_bytes, fingerprint=fingerprint, page_size=layout.page_size,
+        pin=layout.is_cuda,
     )
     policy = OnboardPolicy(bytes_per_token=slot_bytes / layout.page_size)
     policy.read.record(4 << 20, (4 << 20) / found.read_bytes_per_s)  # seeded by the probe, refined by real reads

@@ -34,6 +34,7 @@ from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 from sglang.srt.mem_cache.unified_cache.unified_cache_linker import UnifiedCacheLinker
 
 from sglang_kvbm.config import KvbmConfig
+from sglang_kvbm.backends.local.layer_loader import LayerLoader
 from sglang_kvbm.core.connector import KvbmConnector
 from sglang_kvbm.core.ports import StoreRequest
 from sglang_kvbm.integration.sglang import hooks
@@ -41,7 +42,6 @@ from sglang_kvbm.integration.sglang.build import build_tiers
 from sglang_kvbm.integration.sglang.event_order import EventOrderer
 from sglang_kvbm.integration.sglang.events import SglangEventSink
 from sglang_kvbm.integration.sglang.flags import check_installed_sglang
-from sglang_kvbm.integration.sglang.layer_loader import LayerLoader
 from sglang_kvbm.integration.sglang.page_identity import EventSettings, InsertContext
 from sglang_kvbm.integration.sglang.ranks import LinkerSetup, check_components, setup_of
 from sglang_kvbm.integration.sglang.tier_query import TierQueries, TierTokens, tier_tokens
@@ -82,20 +82,21 @@ class KvbmLinker(UnifiedCacheLinker):
         extra = extra_config or {}
         tiers = build_tiers(params, config, self.setup.identity, observer=self.metrics,
                             offload_executor=extra.get("offload_executor"), disk_writer=extra.get("disk_writer"),
-                            disk_reader=extra.get("disk_reader"))
+                            disk_reader=extra.get("disk_reader"), forward_stream=forward_stream)
         self.layout, self.manager, self.policy = tiers.layout, tiers.manager, tiers.policy
         self.connector = KvbmConnector(
             self.manager, self.sink, page_size=params.page_size,
             min_offload_priority=config.host_offload_min_priority, hit_rate_window=config.cache_stats_max_requests,
         )
         self.pools = {PoolName.KV: params.token_to_kv_pool_allocator.get_kvcache()}
-        self.layer_done_counter = KvbmLayerCounter(self.layout.num_layers, self.policy)
+        self.layer_done_counter = KvbmLayerCounter(self.layout.num_layers, self.policy, cuda=self.layout.is_cuda)
         self.loader = LayerLoader(self.manager, self.layer_done_counter, observe=self.manager.observe)
         self.queries = TierQueries(self.tier_tokens)
         self.cache = None
         self._insert: Optional[tuple] = None  # (key, priority) of the insert in progress
         self._queued: dict[str, tuple] = {}  # rid -> (plan, device slots), for the next forward
         self._batches: dict[int, list] = {}  # counter index -> plans being copied
+        self._landing: list[tuple] = []  # (done event, plans, landed, index): copies enqueued, not ended (CUDA)
         self.offloads_refused_outside_insert = 0
         self.endpoint = None
         if self.metrics is not None:
@@ -135,19 +136,41 @@ class KvbmLinker(UnifiedCacheLinker):
         if not self._queued:
             return -1
         loads, self._queued = list(self._queued.values()), {}
-        ready = None
-        if self.layout.is_cuda:
-            ready = torch.cuda.Event()
-            ready.record()
+        # On CUDA the copies wait (on the GPU) for the scheduler's stream, which made the slots, and the forward's,
+        # which may still write pages the slots reuse: SGLang's own pair of events (HiCache fences loads alike).
+        ready = self.record_offload_ready() if self.layout.is_cuda else ()
         index = self.loader.start(loads, ready)
         self._batches[index] = [plan for plan, _ in loads]
         return index
 
     def finish_layer_wise_loading(self, counter_index: int) -> bool:
-        landed = self.layer_done_counter.finish(counter_index)
-        for plan in self._batches.pop(counter_index, ()):
-            self.connector.release(plan, landed=landed)
+        """After the forward: every layer handed to the device (the current stream now waits for the last)."""
+        counter = self.layer_done_counter
+        landed = counter.finish(counter_index)
+        plans = self._batches.pop(counter_index, ())
+        done = counter.done_event(counter_index)
+        if done is not None and not done.query():  # rows are let go once the copies that read them end
+            self._landing.append((done, plans, landed, counter_index))
+        else:
+            self._release(plans, landed, counter_index)
         return landed
+
+    def _release(self, plans, landed: bool, index: int) -> None:
+        for plan in plans:
+            self.connector.release(plan, landed=landed)
+        self.layer_done_counter.forget(index)
+
+    def _release_landed(self, wait: bool = False) -> None:
+        """Let go of the rows of loads whose copies ended (polled each step; ``wait`` on reset and close only)."""
+        still = []
+        for done, plans, landed, index in self._landing:
+            if wait:
+                done.synchronize()
+            if done.query():
+                self._release(plans, landed, index)
+            else:
+                still.append((done, plans, landed, index))
+        self._landing = still
 
     def cancel_queued_load(self, rid: str) -> bool:
         queued = self._queued.pop(rid, None)
@@ -174,6 +197,8 @@ class KvbmLinker(UnifiedCacheLinker):
 
     def num_completed_offloads(self) -> int:
         # Called by the scheduler at the top of every step: the linker's per-step hook.
+        if self._landing:
+            self._release_landed()
         self.queries.answer_pending()
         count = self.connector.completed_offloads()
         if self.metrics is not None:
@@ -196,6 +221,7 @@ class KvbmLinker(UnifiedCacheLinker):
         """Wait until no copy touches device or tier memory (loads, offloads, disk reads and writes); False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
         idle = self.loader.wait_idle(timeout)
+        self._release_landed(wait=idle)
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         return self.connector.flush(left) and idle
 
@@ -238,6 +264,7 @@ class KvbmLinker(UnifiedCacheLinker):
         if self.endpoint is not None:
             self.endpoint.close()
         self.loader.close()
+        self._release_landed(wait=True)
         self.connector.close()
 
     # -- what the hooks give (see ``hooks``) -------------------------------------------

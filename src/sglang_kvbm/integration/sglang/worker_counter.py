@@ -1,21 +1,20 @@
 """The linker's layer counter, which is also how it meets the model worker.
 
 SGLang registers a linker's ``layer_done_counter`` with the KV pool (the
-forward waits on it per layer) and with the model worker; the second
-registration (``hooks``) hands this counter the worker, on which the disk
-onboarding policy then times prefill.
+forward waits on it per layer, see ``layer_counter``) and with the model
+worker; the second registration (``hooks``) hands this counter the worker, on
+which the disk onboarding policy then times prefill.
 """
 
 from __future__ import annotations
 
-from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoadCounter
-
 from sglang_kvbm.integration.sglang.prefill_meter import attach_prefill_meter
+from sglang_kvbm.layer_counter import LayerCounter
 
 
-class KvbmLayerCounter(LayerWiseLoadCounter):
-    def __init__(self, num_layers: int, policy=None) -> None:
-        super().__init__(num_layers)
+class KvbmLayerCounter(LayerCounter):
+    def __init__(self, num_layers: int, policy=None, *, cuda: bool = False) -> None:
+        super().__init__(num_layers, cuda=cuda)
         self._policy = policy
         self.worker = None
 

@@ -56,8 +56,10 @@ class DiskStore:
     """Fixed-slot block storage in segment files, with an LRU index of registered blocks."""
 
     def __init__(
-        self, *, probe: DiskProbe, num_slots: int, block_bytes: int, fingerprint: bytes, page_size: int
+        self, *, probe: DiskProbe, num_slots: int, block_bytes: int, fingerprint: bytes, page_size: int,
+        pin: bool = False,
     ) -> None:
+        """``pin``: page-lock the staging device -> disk copies land in (CUDA: else a synchronous pageable copy)."""
         if num_slots <= 0:
             raise ValueError(f"num_slots must be positive, got {num_slots}")
         self.block_bytes = block_bytes
@@ -90,7 +92,7 @@ class DiskStore:
         self._owners: dict[str, int] = {}  # "write"/"read" -> the one thread allowed to use its buffers
         self.chunk_blocks = max(1, min(256, CHUNK_BYTES // self.slot_bytes))
         self._write_headers = aligned_empty((DEPTH * self.chunk_blocks, self.header_bytes))
-        self.write_staging = aligned_empty((self.chunk_blocks, block_bytes))  # device -> disk goes through it
+        self.write_staging = aligned_empty((self.chunk_blocks, block_bytes), pin=pin)  # device -> disk goes through it
         for tensor in (self._write_headers, self.write_staging):
             self.io.register_memory(tensor)
 

@@ -1,11 +1,15 @@
 """Loads into the device pool one layer at a time, off the scheduler thread.
 
 SGLang's forward waits on the layer it is about to read
-(``MHATokenToKVPool.get_key_buffer`` -> ``LayerWiseLoadCounter.wait_until``),
+(``MHATokenToKVPool.get_key_buffer`` -> the layer counter's ``wait_until``),
 so while layer 0 computes, layer 1 is being copied. The scheduler thread only
-hands over a batch (:meth:`LayerLoader.start`); this loader's thread builds the
-copy plan (index tensors on the device) and copies layer after layer, marking
-each one done on the counter, or failing the batch on the counter.
+hands over a batch (:meth:`LayerLoader.start`) with the events its slots are
+ready after; this loader's thread enters its own stream after them
+(``PagedKvLayout.copying``), computes the device pages there, and copies layer
+after layer, marking each one on the counter (``layer_counter``): on CPU once
+it has landed, on CUDA once it is enqueued (the counter records the layer's
+event; nothing here waits for the device). A batch that fails is failed on the
+counter, after the copies it enqueued have ended.
 """
 
 from __future__ import annotations
@@ -38,22 +42,25 @@ class LayerLoader:
         self._counter = counter
         self._observe = observe
         self.before_layer = before_layer
-        self._stream = self._layout.new_stream()  # this thread's own, created before it starts
+        self._stream = self._layout.new_stream()  # this thread's own, drawn before it starts
+        self._init = self._layout.worker_init()
         self._queue: queue.Queue = queue.Queue()
         self._idle = threading.Condition()
         self._busy = 0
         self._thread = threading.Thread(target=self._run, name="kvbm-load", daemon=True)
         self._thread.start()
 
-    def start(self, loads: Sequence[tuple[LoadPlan, object]], ready=None) -> int:
-        """Queue one forward's loads (``(plan, device token slots)``); returns the counter index."""
+    def start(self, loads: Sequence[tuple[LoadPlan, object]], ready: Sequence = ()) -> int:
+        """Queue one forward's loads (``(plan, device token slots)``) to run after ``ready``; returns the counter index."""
         index = self._counter.update_producer()
         with self._idle:
             self._busy += 1
-        self._queue.put((index, list(loads), ready))
+        self._queue.put((index, list(loads), tuple(ready)))
         return index
 
     def _run(self) -> None:
+        if self._init is not None:
+            self._init()
         while True:
             task = self._queue.get()
             if task is None:
@@ -63,6 +70,8 @@ class LayerLoader:
                 self._load(index, loads, ready)
             except BaseException as exc:  # reported by finish(): the scheduler drops the loading requests
                 logger.exception("kvbm: layer-wise load failed")
+                if self._stream is not None:
+                    self._stream.synchronize()  # what was enqueued ends before the rows it reads are let go
                 self._counter.fail(index, exc)
             finally:
                 with self._idle:
@@ -71,22 +80,24 @@ class LayerLoader:
 
     def _load(self, index: int, loads, ready) -> None:
         started = time.perf_counter()
-        if ready is not None:
-            ready.synchronize()  # the scheduler's stream handed these slots over
-        parts = []
-        for plan, slots in loads:
-            parts += self._manager.load_parts(plan, self._layout.pages_of(slots))
-        batch = copies.load_batch(self._layout, parts)
-        for layer in range(self._layout.num_layers):
-            if self.before_layer is not None:
-                self.before_layer(index, layer)
-            copies.load_layer(self._layout, self._stream, batch, layer)
-            self._counter.complete(index, layer)
-        seconds = time.perf_counter() - started
-        self._observe("onboard_h2d", batch.blocks[Tier.HOST] * self._layout.page_bytes, seconds)
+        layout = self._layout
+        with layout.copying(self._stream, ready):
+            parts = []
+            for plan, slots in loads:
+                if layout.is_cuda:
+                    slots.record_stream(self._stream)  # made on the scheduler's stream, read on this one
+                parts += self._manager.load_parts(plan, layout.pages_of(slots))
+            batch = copies.load_batch(layout, parts)
+            for layer in range(layout.num_layers):
+                if self.before_layer is not None:
+                    self.before_layer(index, layer)
+                copies.load_layer(layout, batch, layer)
+                self._counter.complete(index, layer)
+        if not layout.is_cuda:  # on CUDA this is the enqueue time, not the copy's: not a transfer figure
+            self._observe("onboard_h2d", batch.blocks[Tier.HOST] * layout.page_bytes, time.perf_counter() - started)
 
     def wait_idle(self, timeout: Optional[float] = None) -> bool:
-        """Wait until every queued batch has been copied (reset and close)."""
+        """Wait until every queued batch has been handed to the device (reset and close)."""
         with self._idle:
             return self._idle.wait_for(lambda: self._busy == 0, timeout)
 

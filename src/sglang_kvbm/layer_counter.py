@@ -1,0 +1,125 @@
+"""Layer-by-layer loads: a layer is readable only after its copy, and the wait for it is on the device.
+
+The forward asks, before each layer reads its KV (SGLang's KV pool calls
+``wait_until(layer)``), whether that layer's loads have landed. The loader
+thread enqueues the copies of layer after layer and, after each, calls
+:meth:`LayerCounter.complete`:
+
+* on CUDA it records one event per layer on the copy stream (nothing waits on
+  the host for the copy), and ``wait_until(l)`` makes the *forward's* stream
+  wait for event ``l`` (``wait_event``, on the GPU). A ``wait_event`` on an event
+  not recorded yet is a no-op, so ``wait_until`` first waits on the host until
+  the loader has *recorded* event ``l``; enqueueing is quick, so that wait is
+  short, and the copy itself overlaps the forward's earlier layers;
+* on CPU a copy is synchronous, so "recorded" means "landed" and the host wait
+  is the whole wait.
+
+:meth:`LayerCounter.finish` (after the forward) waits on the host until every
+layer was enqueued, orders the current stream after the last copy, and returns
+whether all of them were; :meth:`LayerCounter.done_event` tells when the copies
+have really ended (the rows they read can be reused then), to be polled, never
+waited on. Imports torch only (no SGLang): the GPU suite runs it on a bare
+machine.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import torch
+
+
+class _Batch:
+    def __init__(self, num_layers: int, cuda: bool) -> None:
+        self.recorded = [threading.Event() for _ in range(num_layers)]
+        self.events = [torch.cuda.Event() for _ in range(num_layers)] if cuda else None
+        self.error: Optional[BaseException] = None
+
+
+class LayerCounter:
+    def __init__(self, num_layers: int, *, cuda: bool = False) -> None:
+        self.num_layers = num_layers
+        self.cuda = cuda
+        self.producer_index = -1
+        self.consumer_index = -1
+        self._batches: dict[int, _Batch] = {}
+        self._lock = threading.Lock()
+
+    def update_producer(self) -> int:
+        """A new batch of loads; its index is what the forward consumes (``set_consumer``)."""
+        with self._lock:
+            self.producer_index += 1
+            self._batches[self.producer_index] = _Batch(self.num_layers, self.cuda)
+            return self.producer_index
+
+    def set_consumer(self, index: int) -> None:
+        self.consumer_index = index
+
+    def consuming(self) -> bool:
+        """Whether the forward now consumes a batch of loads (tests and tools)."""
+        return self._batch(self.consumer_index) is not None
+
+    def _batch(self, index: int) -> Optional[_Batch]:
+        with self._lock:
+            return self._batches.get(index)
+
+    def complete(self, index: int, layer: int) -> None:
+        """Loader thread: layer ``layer`` of batch ``index`` is enqueued (CUDA: on the current stream) or done."""
+        batch = self._batch(index)
+        if batch is None:
+            return
+        if batch.events is not None:
+            batch.events[layer].record()
+        batch.recorded[layer].set()
+
+    def fail(self, index: int, error: BaseException) -> None:
+        """Loader thread: the batch cannot land; layers not recorded yet are released as failed."""
+        batch = self._batch(index)
+        if batch is None:
+            return
+        batch.error = error
+        for flag in batch.recorded:
+            flag.set()
+
+    def wait_until(self, layer: int) -> None:
+        """Forward: layer ``layer`` of the consumed batch is readable after this (on the current stream).
+
+        A failure does not raise into the forward: it runs on whatever the slots
+        hold, and :meth:`finish` reports the failure so the scheduler drops the
+        requests before their output is used.
+        """
+        batch = self._batch(self.consumer_index)
+        if batch is None:
+            return
+        batch.recorded[layer].wait()
+        if batch.events is not None and batch.error is None:
+            torch.cuda.current_stream().wait_event(batch.events[layer])
+
+    def finish(self, index: int) -> bool:
+        """After the forward: wait until every layer was enqueued; True when all of them landed (or will)."""
+        batch = self._batch(index)
+        if batch is None:
+            return True
+        for flag in batch.recorded:
+            flag.wait()
+        if batch.events is not None and batch.error is None:
+            torch.cuda.current_stream().wait_event(batch.events[-1])  # nothing later on this stream overtakes it
+        return batch.error is None
+
+    def done_event(self, index: int) -> Optional[torch.cuda.Event]:
+        """The event after the last copy of batch ``index`` (CUDA; None on CPU or when it failed)."""
+        batch = self._batch(index)
+        if batch is None or batch.events is None or batch.error is not None:
+            return None
+        return batch.events[-1]
+
+    def forget(self, index: int) -> None:
+        with self._lock:
+            self._batches.pop(index, None)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.producer_index = -1
+            self.consumer_index = -1
+            self._batches.clear()
