@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 DYNAMO_VENV := .venv-dynamo
 DYNAMO_STAMP := $(DYNAMO_VENV)/.installed
 
-.PHONY: demo test test-fast bench clean
+.PHONY: demo test test-fast bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,13 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/pip install -q -e '.[test,bench]'
 	$(VENV)/bin/python benchmarks/run_all.py
+
+# On a machine with a GPU and PyTorch, no SGLang and no install step (tests/gpu needs torch and this
+# package's source only): once plainly, once under PyTorch's CUDA stream sanitizer.
+GPU_PYTHON ?= python3
+gpu-check:
+	PYTHONPATH=src $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -rs tests/gpu
+	TORCH_CUDA_SANITIZER=1 PYTHONPATH=src $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -rs tests/gpu
 
 clean:
 	rm -rf $(VENV) $(DYNAMO_VENV) demo-out

@@ -59,30 +59,30 @@ class _Staging:
         self.released[i] = event
 
 
-def start_worker(device: torch.device) -> None:
-    """Thread initializer of a copy worker: its device, and its staging allocated now, not mid-serving."""
+def start_worker(device: torch.device, row_bytes: int = 0) -> None:
+    """Thread initializer of a copy worker: its device, and its staging allocated now, not mid-serving
+    (:data:`STAGING_BYTES`, or one block row where a row is larger)."""
     torch.cuda.set_device(device)
-    _local.staging = _Staging(device, STAGING_BYTES)
+    _local.staging = _Staging(device, max(STAGING_BYTES, row_bytes))
 
 
-def _staging(device: torch.device) -> _Staging:
+def _staging(device: torch.device, row_bytes: int) -> _Staging:
     staging = getattr(_local, "staging", None)
-    if staging is None:  # a thread that was not started as a copy worker (tests, tools)
-        start_worker(device)
+    if staging is None or staging.device_buf.numel() < row_bytes:  # not started as a copy worker (tests, tools)
+        start_worker(device, row_bytes)
         staging = _local.staging
     return staging
 
 
-def _rows_per_chunk(row_bytes: int) -> int:
-    return max(1, STAGING_BYTES // row_bytes)
+def _rows_per_chunk(staging: _Staging, row_bytes: int) -> int:
+    return max(1, staging.device_buf.numel() // row_bytes)
 
 
 def save(views, spans, wtype, block_words: int, host: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor) -> None:
     """Device ``pages`` of every buffer into host ``rows`` (whole rows); returns when the bytes are there."""
-    device = pages.device
-    staging = _staging(device)
     word = torch.empty((), dtype=wtype).element_size()
-    step = _rows_per_chunk(block_words * word)
+    staging = _staging(pages.device, block_words * word)
+    step = _rows_per_chunk(staging, block_words * word)
     device_rows = staging.device_buf[: step * block_words * word].view(wtype).view(step, block_words)
     for start in range(0, rows.numel(), step):
         chunk_rows, chunk_pages = rows[start : start + step], pages[start : start + step]
@@ -110,12 +110,11 @@ def load(views, spans, wtype, host: torch.Tensor, rows: torch.Tensor, pages: tor
     so every host gather writes a contiguous output and every scatter on the
     device reads one.
     """
-    device = pages.device
-    staging = _staging(device)
     word = torch.empty((), dtype=wtype).element_size()
     parts = [spans[b] for b in buffers]
     words = sum(width for _, width in parts)
-    step = _rows_per_chunk(words * word)
+    staging = _staging(pages.device, words * word)
+    step = _rows_per_chunk(staging, words * word)
     for start in range(0, rows.numel(), step):
         chunk_rows, chunk_pages = rows[start : start + step], pages[start : start + step]
         n = chunk_rows.numel()

@@ -67,7 +67,12 @@ def _pin(tensor: torch.Tensor) -> None:
 
 
 def index(values: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=device)
+    """An int64 index tensor; on CUDA copied from pinned memory, asynchronously on the current stream
+    (``torch.tensor(..., device="cuda")`` would be a synchronous pageable copy)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if torch.device(device).type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def run_start(idx: torch.Tensor) -> Optional[int]:
@@ -171,7 +176,7 @@ class PagedKvLayout:
             return None
         from sglang_kvbm.cuda_copies import start_worker
 
-        return functools.partial(start_worker, self.device)
+        return functools.partial(start_worker, self.device, self.block_bytes)
 
     @contextlib.contextmanager
     def copying(self, stream: Optional[torch.cuda.Stream], ready: Iterable = ()):

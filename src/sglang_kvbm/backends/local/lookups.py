@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 
 from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.tiers import Tier
+from sglang_kvbm.kv_layout import index
 
 logger = logging.getLogger(__name__)
 WAIT_SLACK = 3.0  # a read may take this many times the meter's estimate before the load gives up on it
@@ -171,10 +172,17 @@ class TierReads:
             self._staging.pool.release_orphans(plan.staged_rows)
 
     def load_parts(self, plan: LoadPlan, pages) -> list:
-        """``(slab, rows, device pages, tier)`` of a plan, for ``copies.load_batch``; ``pages`` per position."""
+        """``(slab, rows, device pages, tier)`` of a plan, for ``copies.load_batch``; ``pages`` per position
+        (the loader's stream selects them)."""
+
+        def select(positions):
+            if len(positions) == pages.numel():  # the whole load from one tier: positions are 0..n-1
+                return pages
+            return pages.index_select(0, index(positions, pages.device))
+
         parts = []
         if plan.host_ids:
-            parts.append((self._host.slab, plan.host_rows, pages[plan.host_positions], Tier.HOST))
+            parts.append((self._host.slab, plan.host_rows, select(plan.host_positions), Tier.HOST))
         if plan.staged_ids:
-            parts.append((self._staging.pool.slab, plan.staged_rows, pages[plan.staged_positions], Tier.DISK))
+            parts.append((self._staging.pool.slab, plan.staged_rows, select(plan.staged_positions), Tier.DISK))
         return parts
