@@ -21,6 +21,34 @@ if TYPE_CHECKING:
     from sglang_kvbm.integration.sglang.linker import KvbmLinker
 
 
+def stats_of(linker: "KvbmLinker") -> dict:
+    """What ``/stats`` carries besides the connector's counters (scheduler thread, once per publish)."""
+    manager = linker.manager
+    extra = {
+        "local": manager.stats.__dict__.copy(),
+        "in_flight": len(manager.in_flight()),
+        "events": {"held": linker.orderer.held(), "held_total": linker.orderer.held_total, "dropped": linker.orderer.dropped},
+        "offloads_refused_outside_insert": linker.offloads_refused_outside_insert,
+        "block_bytes": {"host": linker.layout.block_bytes, "disk": manager.disk.slot_bytes if manager.disk else 0},
+    }
+    if manager.host is not None:
+        extra["host"] = manager.host.accounting()
+    if manager.disk is not None:
+        disk = dict(manager.disk.stats.__dict__)
+        disk["invalidated"] = dict(manager.disk.stats.invalidated)
+        disk.update(manager.disk.accounting())
+        extra["disk"] = disk
+    if linker.cache is not None:
+        allocator = linker.cache.token_to_kv_pool_allocator
+        extra["device"] = {
+            "total": allocator.size,
+            "available": allocator.available_size(),
+            "evictable": linker.cache.evictable_size(),
+            "protected": linker.cache.protected_size(),
+        }
+    return extra
+
+
 def metrics_of(snapshot: dict) -> dict:
     """The numbers behind KVBM's metric names, from a published snapshot."""
     stats = snapshot.get("connector", {})

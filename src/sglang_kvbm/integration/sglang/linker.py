@@ -35,6 +35,7 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import UnifiedCache
 
 from sglang_kvbm.config import KvbmConfig
 from sglang_kvbm.backends.local.layer_loader import LayerLoader
+from sglang_kvbm.backends.local.load_batches import LoadBatches
 from sglang_kvbm.core.connector import KvbmConnector
 from sglang_kvbm.core.ports import StoreRequest
 from sglang_kvbm.integration.sglang import hooks
@@ -91,12 +92,10 @@ class KvbmLinker(UnifiedCacheLinker):
         self.pools = {PoolName.KV: params.token_to_kv_pool_allocator.get_kvcache()}
         self.layer_done_counter = KvbmLayerCounter(self.layout.num_layers, self.policy, cuda=self.layout.is_cuda)
         self.loader = LayerLoader(self.manager, self.layer_done_counter, observe=self.manager.observe)
+        self.loads = LoadBatches(self.connector, self.loader, self.layer_done_counter)
         self.queries = TierQueries(self.tier_tokens)
         self.cache = None
         self._insert: Optional[tuple] = None  # (key, priority) of the insert in progress
-        self._queued: dict[str, tuple] = {}  # rid -> (plan, device slots), for the next forward
-        self._batches: dict[int, list] = {}  # counter index -> plans being copied
-        self._landing: list[tuple] = []  # (done event, plans, landed, index): copies enqueued, not ended (CUDA)
         self.offloads_refused_outside_insert = 0
         self.endpoint = None
         if self.metrics is not None:
@@ -126,58 +125,21 @@ class KvbmLinker(UnifiedCacheLinker):
                 plan = None
         if plan is None:
             return False
-        old = self._queued.pop(rid, None)
-        if old is not None:
-            self.connector.cancel(old[0])
-        self._queued[rid] = (plan, kv.device_indices)
+        self.loads.queue(rid, plan, kv.device_indices)
         return True
 
     def start_layer_wise_loading(self) -> int:
-        if not self._queued:
-            return -1
-        loads, self._queued = list(self._queued.values()), {}
         # On CUDA the copies wait (on the GPU) for the scheduler's stream, which made the slots, and the forward's,
         # which may still write pages the slots reuse: SGLang's own pair of events (HiCache fences loads alike).
-        ready = self.record_offload_ready() if self.layout.is_cuda else ()
-        index = self.loader.start(loads, ready)
-        self._batches[index] = [plan for plan, _ in loads]
-        return index
+        ready = self.record_offload_ready() if self.layout.is_cuda and self.loads.pending() else ()
+        return self.loads.start(ready)
 
     def finish_layer_wise_loading(self, counter_index: int) -> bool:
         """After the forward: every layer handed to the device (the current stream now waits for the last)."""
-        counter = self.layer_done_counter
-        landed = counter.finish(counter_index)
-        plans = self._batches.pop(counter_index, ())
-        done = counter.done_event(counter_index)
-        if done is not None and not done.query():  # rows are let go once the copies that read them end
-            self._landing.append((done, plans, landed, counter_index))
-        else:
-            self._release(plans, landed, counter_index)
-        return landed
-
-    def _release(self, plans, landed: bool, index: int) -> None:
-        for plan in plans:
-            self.connector.release(plan, landed=landed)
-        self.layer_done_counter.forget(index)
-
-    def _release_landed(self, wait: bool = False) -> None:
-        """Let go of the rows of loads whose copies ended (polled each step; ``wait`` on reset and close only)."""
-        still = []
-        for done, plans, landed, index in self._landing:
-            if wait:
-                done.synchronize()
-            if done.query():
-                self._release(plans, landed, index)
-            else:
-                still.append((done, plans, landed, index))
-        self._landing = still
+        return self.loads.finish(counter_index)
 
     def cancel_queued_load(self, rid: str) -> bool:
-        queued = self._queued.pop(rid, None)
-        if queued is None:
-            return False
-        self.connector.cancel(queued[0])
-        return True
+        return self.loads.cancel(rid)
 
     def offload(self, transfers: list[PoolTransfer], session_id: Optional[str] = None) -> bool:
         if self._insert is None:
@@ -197,15 +159,16 @@ class KvbmLinker(UnifiedCacheLinker):
 
     def num_completed_offloads(self) -> int:
         # Called by the scheduler at the top of every step: the linker's per-step hook.
-        if self._landing:
-            self._release_landed()
+        self.loads.poll()
         self.queries.answer_pending()
         count = self.connector.completed_offloads()
         if self.metrics is not None:
             now = time.monotonic()
             if now - self._published_at >= PUBLISH_INTERVAL_S:  # the idle scheduler loops without pause
                 self._published_at = now
-                self.connector.publish(self._publish_extra())
+                from sglang_kvbm.integration.sglang.endpoint import stats_of
+
+                self.connector.publish(stats_of(self))
         return count
 
     def pop_completed_offload(self) -> bool:
@@ -220,14 +183,13 @@ class KvbmLinker(UnifiedCacheLinker):
     def quiesce(self, timeout: Optional[float] = None) -> bool:
         """Wait until no copy touches device or tier memory (loads, offloads, disk reads and writes); False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        idle = self.loader.wait_idle(timeout)
-        self._release_landed(wait=idle)
+        idle = self.loads.quiesce(timeout)
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         return self.connector.flush(left) and idle
 
     def _quiesce_or_warn(self, what: str) -> None:
         # Loads first, unbounded: they write device pages and read rows their plans pin, and end in a copy's time.
-        self.loader.wait_idle()
+        self.loads.quiesce()
         if not self.quiesce(self.quiesce_timeout):
             logger.warning("kvbm: %s: copies still in flight after %.0f s; they will register nothing when they end",
                            what, self.quiesce_timeout)
@@ -246,15 +208,8 @@ class KvbmLinker(UnifiedCacheLinker):
     def reset(self) -> None:
         """Quiesce the copies and forget every tier (the tree publishes ``AllBlocksCleared``)."""
         self._quiesce_or_warn("reset")
-        for plan, _ in self._queued.values():
-            self.connector.cancel(plan)
-        for plans in self._batches.values():
-            for plan in plans:
-                self.connector.cancel(plan)
-        self._queued.clear()
-        self._batches.clear()
+        self.loads.drop()
         self.connector.reset()
-        self.layer_done_counter.reset()
         self.sink.clear()
 
     def close(self) -> None:
@@ -263,8 +218,7 @@ class KvbmLinker(UnifiedCacheLinker):
         self._closed = True
         if self.endpoint is not None:
             self.endpoint.close()
-        self.loader.close()
-        self._release_landed(wait=True)
+        self.loads.close()
         self.connector.close()
 
     # -- what the hooks give (see ``hooks``) -------------------------------------------
@@ -286,10 +240,10 @@ class KvbmLinker(UnifiedCacheLinker):
         def init_load_back_reporting_disk(params):
             result = init_load_back(params)
             req = params.req
-            queued = self._queued.get(req.rid) if req is not None else None
-            if queued is not None and queued[0].disk_blocks:
+            plan = self.loads.queued_plan(req.rid) if req is not None else None
+            if plan is not None and plan.disk_blocks:
                 # Report the disk part as SGLang reports L3 hits (cached_tokens_details["storage"]).
-                req.storage_hit_length = queued[0].disk_blocks * self.page_size
+                req.storage_hit_length = plan.disk_blocks * self.page_size
                 req.storage_hit_start = None
             return result
 
@@ -311,32 +265,6 @@ class KvbmLinker(UnifiedCacheLinker):
 
     def query_tiers(self, token_ids, *, extra_key=None, cache_salt=None, timeout: float = 10.0) -> TierTokens:
         return self.queries.ask(token_ids, extra_key=extra_key, cache_salt=cache_salt, timeout=timeout)
-
-    def _publish_extra(self) -> dict:
-        manager = self.manager
-        extra = {
-            "local": manager.stats.__dict__.copy(),
-            "in_flight": len(manager.in_flight()),
-            "events": {"held": self.orderer.held(), "held_total": self.orderer.held_total, "dropped": self.orderer.dropped},
-            "offloads_refused_outside_insert": self.offloads_refused_outside_insert,
-            "block_bytes": {"host": self.layout.block_bytes, "disk": manager.disk.slot_bytes if manager.disk else 0},
-        }
-        if manager.host is not None:
-            extra["host"] = manager.host.accounting()
-        if manager.disk is not None:
-            disk = dict(manager.disk.stats.__dict__)
-            disk["invalidated"] = dict(manager.disk.stats.invalidated)
-            disk.update(manager.disk.accounting())
-            extra["disk"] = disk
-        if self.cache is not None:
-            allocator = self.cache.token_to_kv_pool_allocator
-            extra["device"] = {
-                "total": allocator.size,
-                "available": allocator.available_size(),
-                "evictable": self.cache.evictable_size(),
-                "protected": self.cache.protected_size(),
-            }
-        return extra
 
     def _metrics_snapshot(self) -> dict:
         from sglang_kvbm.integration.sglang.endpoint import metrics_of

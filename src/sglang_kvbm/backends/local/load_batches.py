@@ -1,0 +1,110 @@
+"""Loads from the time they are pinned to the time their rows are let go.
+
+A load goes through three states, all kept here (scheduler thread):
+
+* **queued** per request (``queue``), from the engine's ``load`` until the
+  next forward starts them, or until the request goes away (``cancel``);
+* **started** as one batch per forward (``start``), copied layer by layer by
+  the loader under the forward (``layer_loader``, ``layer_counter``);
+* **landing** after the forward (``finish``): on CUDA the copies may still run
+  when the forward's last wait was enqueued, so a batch's plans are released
+  (their host and staging rows let go) only once the event after its last
+  copy is done, polled each step (``poll``), never waited on except when
+  quiescing.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+
+class LoadBatches:
+    def __init__(self, connector, loader, counter) -> None:
+        self._connector = connector
+        self._loader = loader
+        self._counter = counter
+        self._queued: dict[str, tuple] = {}  # rid -> (plan, device slots), for the next forward
+        self._started: dict[int, list] = {}  # counter index -> plans being copied
+        self._landing: list[tuple] = []  # (done event, plans, landed, index): copies enqueued, not ended (CUDA)
+
+    def queue(self, rid: str, plan, slots) -> None:
+        old = self._queued.pop(rid, None)
+        if old is not None:
+            self._connector.cancel(old[0])
+        self._queued[rid] = (plan, slots)
+
+    def pending(self) -> bool:
+        """Whether a load is queued for the next forward."""
+        return bool(self._queued)
+
+    def queued_plan(self, rid: str):
+        queued = self._queued.get(rid)
+        return None if queued is None else queued[0]
+
+    def cancel(self, rid: str) -> bool:
+        """A queued load that will not run (its request went away): unpin, count nothing."""
+        queued = self._queued.pop(rid, None)
+        if queued is None:
+            return False
+        self._connector.cancel(queued[0])
+        return True
+
+    def start(self, ready: Sequence = ()) -> int:
+        """Hand every queued load to the loader as one batch after ``ready``; the counter index, or -1."""
+        if not self._queued:
+            return -1
+        loads, self._queued = list(self._queued.values()), {}
+        index = self._loader.start(loads, ready)
+        self._started[index] = [plan for plan, _ in loads]
+        return index
+
+    def finish(self, index: int) -> bool:
+        """After the forward: every layer handed to the device; True when all of them were."""
+        landed = self._counter.finish(index)
+        plans = self._started.pop(index, ())
+        done = self._counter.done_event(index)
+        if done is not None and not done.query():  # rows are let go once the copies that read them end
+            self._landing.append((done, plans, landed, index))
+        else:
+            self._release(plans, landed, index)
+        return landed
+
+    def _release(self, plans, landed: bool, index: int) -> None:
+        for plan in plans:
+            self._connector.release(plan, landed=landed)
+        self._counter.forget(index)
+
+    def poll(self, wait: bool = False) -> None:
+        """Let go of the rows of loads whose copies ended (each step; ``wait`` when quiescing only)."""
+        if not self._landing:
+            return
+        still = []
+        for done, plans, landed, index in self._landing:
+            if wait:
+                done.synchronize()
+            if done.query():
+                self._release(plans, landed, index)
+            else:
+                still.append((done, plans, landed, index))
+        self._landing = still
+
+    def quiesce(self, timeout: Optional[float] = None) -> bool:
+        """Wait until the loader handed over every batch, and (if it did) their copies ended; False on timeout."""
+        idle = self._loader.wait_idle(timeout)
+        self.poll(wait=idle)
+        return idle
+
+    def drop(self) -> None:
+        """The cache is reset: loads not started never will be, and started ones count as not landed."""
+        for plan, _ in self._queued.values():
+            self._connector.cancel(plan)
+        for plans in self._started.values():
+            for plan in plans:
+                self._connector.cancel(plan)
+        self._queued.clear()
+        self._started.clear()
+        self._counter.reset()
+
+    def close(self) -> None:
+        self._loader.close()
+        self.poll(wait=True)
