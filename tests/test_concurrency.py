@@ -145,9 +145,8 @@ class Scenario:
             prefix = torch.cat([prefix, fresh.to(torch.int64)])
         if len(prefix) > device:
             self.live.update(ids[device // PAGE : len(prefix) // PAGE])
-            result = tree.insert(InsertParams(key=key[: len(prefix)], value=prefix, prev_prefix_len=device))
-            if result.prefix_len > device:  # pages another insert added meanwhile: ours are duplicates
-                self.allocator.free(prefix[device : result.prefix_len])
+            # Pages another insert added meanwhile are duplicates: the tree frees ours itself (as for the scheduler).
+            tree.insert(InsertParams(key=key[: len(prefix)], value=prefix, prev_prefix_len=device))
         tree.unlock(lock)
 
     def match_only(self, tokens: list[int], rid: str) -> None:

@@ -258,3 +258,17 @@ def test_prefix_under_pool_pressure_with_other_nodes_locked_returns_the_right_kv
     assert stack.cache.prefix(idle + [0]).device_tokens == 0  # what made the room
     stack.cache.release(hit)
     stack.cache.release(held)
+
+
+def test_custom_insert_of_pages_cached_meanwhile_frees_each_duplicate_once(stack_factory):
+    """SGLang's tree frees the duplicate values of an insert itself (``unified_tree_core`` ~1351): the custom
+    server's insert must not free them again (a slot twice in the free list is two owners of one page)."""
+    stack = stack_factory(size=64)
+    tokens = list(range(700, 716))
+    stack.insert(tokens, seed=30)
+    available = stack.allocator.available_size()
+    duplicate = stack.allocator.alloc(16)  # a second request computed the same pages meanwhile
+    stack.cache.insert(tokens, duplicate)
+    assert stack.allocator.available_size() == available
+    free = stack.allocator.free_pages
+    assert free.numel() == torch.unique(free).numel(), "a page is in the free list twice"

@@ -127,9 +127,8 @@ class KvbmCache:
             tree.token_to_kv_pool_allocator.free(slots)
             return node, lock, 0
         values = torch.cat([tree.path_device_indices(node)[:device].to(torch.int64), slots.to(torch.int64)])
+        # Pages another insert added meanwhile are duplicates: the tree frees those of ours itself.
         result = tree.insert(InsertParams(key=key[: device + loaded], value=values, prev_prefix_len=device))
-        if result.prefix_len > device:  # pages another insert added meanwhile: ours are duplicates
-            tree.token_to_kv_pool_allocator.free(slots[: result.prefix_len - device])
         new_node = result.last_device_node
         new_lock = tree.inc_lock_ref(new_node).to_dec_params()
         tree.dec_lock_ref(node, lock)
@@ -144,17 +143,14 @@ class KvbmCache:
         """Cache the KV of ``token_ids`` (whole pages): ``hit.indices`` for its prefix, ``slots`` for the rest.
 
         The tree takes ownership of ``slots``; where another insert cached some of
-        those pages meanwhile, the duplicates are freed here. The tree's
+        those pages meanwhile, the tree frees the duplicates itself. Its
         write-through then copies the new pages down to the tiers below.
         """
         self.poll()
         reused = hit.indices if hit is not None else torch.empty(0, dtype=torch.int64)
         values = torch.cat([reused.to(torch.int64), slots.to(torch.int64)])
         key = RadixKey(array("q", token_ids[: len(values)]), extra_key, cache_salt=cache_salt)
-        result = self.tree.insert(InsertParams(key=key, value=values, prev_prefix_len=len(reused)))
-        if result.prefix_len > len(reused):  # pages another insert cached meanwhile: ours are duplicates
-            self.tree.token_to_kv_pool_allocator.free(values[len(reused) : result.prefix_len])
-        return result
+        return self.tree.insert(InsertParams(key=key, value=values, prev_prefix_len=len(reused)))
 
     def evict(self, num_tokens: int) -> None:
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
