@@ -135,7 +135,8 @@ def replay(cache, allocator, requests, linked: bool) -> dict[str, float]:
             prefix = torch.cat([prefix.to(torch.int64), fresh.to(torch.int64)])
         inserted = timed("insert", cache.insert, InsertParams(
             key=RadixKey(array("q", tokens[: len(prefix)])), value=prefix, prev_prefix_len=result.device_prefix_len))
-        if inserted.prefix_len > result.device_prefix_len:  # duplicates of pages cached meanwhile
+        # Duplicates of pages cached meanwhile: the default tree frees them itself, stock RadixCache's caller does.
+        if inserted.prefix_len > result.device_prefix_len and not hasattr(cache, "tree_core"):
             allocator.free(prefix[result.device_prefix_len : inserted.prefix_len])
         timed("unlock", cache.dec_lock_ref, node, lock)
         timed("take_events", cache.take_events)
