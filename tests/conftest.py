@@ -230,6 +230,9 @@ def build_stack(
 
     if pool == "mha":
         kvcache = MHATokenToKVPool(size, page_size, torch.float32, 2, 8, layers, "cpu", False)
+    elif pool in QUANTIZED_POOLS:  # SGLang's quantized KV recipes (--kv-cache-dtype), built on CPU as SGLang builds them
+        kvcache = MHATokenToKVPool(size, page_size, torch.bfloat16, 2, 64, layers, "cpu", False,
+                                   quant_method=quant_method(pool, layers, page_size))
     else:
         kvcache = MLATokenToKVPool(size, page_size, torch.bfloat16, 16, 8, layers, "cpu", False)
     allocator = PagedTokenToKVPoolAllocator(size, page_size, kvcache.dtype, "cpu", kvcache, need_sort=False)
@@ -256,6 +259,25 @@ def build_stack(
     cache = build_cache(params, kvbm_config, identity=identity, offload_executor=executor, disk_writer=writer,
                         disk_reader=reader)
     return Stack(cache, allocator, kvcache, executor, page_size, size, writer)
+
+
+QUANTIZED_POOLS = ("fp8", "fp4", "nvfp4")
+
+
+def quant_method(name: str, layers: int, page_size: int, native_scales: bool = False):
+    """SGLang's KV cache quantization method: CPU FP8 (no scales), FP4 block-16 and NVFP4 (per-token scales;
+    ``native_scales``: NVFP4's page-major layout for SM100's kernels)."""
+    from sglang.srt.layers.quantization.fp4_kv_cache_quant_method import (
+        CPUFP8KVCacheMethod,
+        FP4MXBlock16KVCacheMethod,
+        NVFP4KVCacheMethod,
+    )
+
+    if name == "fp8":
+        return CPUFP8KVCacheMethod()
+    if name == "fp4":
+        return FP4MXBlock16KVCacheMethod()
+    return NVFP4KVCacheMethod(layers, "cpu", page_size=page_size, native_scale_layout=native_scales)
 
 
 class RecordingSink:

@@ -27,8 +27,9 @@ def stores(events, tier: str):
     return [e for e in events if isinstance(e, BlockStored) and medium(e) == tier]
 
 
-@pytest.mark.parametrize("pool", ["mha", "mla"])
+@pytest.mark.parametrize("pool", ["mha", "mla", "fp8", "fp4", "nvfp4"])
 def test_bytes_come_back_after_device_eviction(stack_factory, pool):
+    """Every buffer of a page comes back: K and V (or MLA's latent), and a quantized pool's per-token scales."""
     stack = stack_factory(pool=pool)
     tokens = list(range(100, 132))  # 8 pages
     written = stack.insert(tokens, seed=1)

@@ -35,13 +35,29 @@ def test_speculative_draft_kv_is_refused():
         check_components({ComponentType.FULL}, params)
 
 
-def test_quantized_kv_pools_are_refused():
+@pytest.mark.parametrize("recipe, scales", [("fp8", 0), ("fp4", 2), ("nvfp4", 2)])
+def test_quantized_kv_pools_page_their_scales_with_their_kv(recipe, scales):
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    pool = MHATokenToKVPool(16, 4, torch.float32, 1, 8, 1, "cpu", False)
-    pool.quant_method = object()  # SGLang reports a pool quantized when its method is not the identity one
+    from conftest import quant_method
+
+    pool = MHATokenToKVPool(16, 4, torch.bfloat16, 2, 64, 3, "cpu", False, quant_method=quant_method(recipe, 3, 4))
     assert pool.is_quantized_kv_cache
-    with pytest.raises(UnsupportedPoolError, match="quantized KV"):
+    layout = paged_layout(pool, 4)
+    assert len(layout.buffer_page_bytes) == 3 * (2 + scales)
+    for layer, buffers in enumerate(layout.layers):  # each layer loads its K, V and their scales together
+        assert len(buffers) == 2 + scales and buffers[:2] == (layer, 3 + layer)
+
+
+def test_page_major_native_fp4_scales_are_refused():
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from conftest import quant_method
+
+    pool = MHATokenToKVPool(16, 4, torch.bfloat16, 2, 64, 2, "cpu", False,
+                            quant_method=quant_method("nvfp4", 2, 4, native_scales=True))
+    assert pool.native_k_scale_buffer is not None
+    with pytest.raises(UnsupportedPoolError, match="native FP4 scales"):
         paged_layout(pool, 4)
 
 

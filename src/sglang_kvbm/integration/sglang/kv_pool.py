@@ -14,25 +14,49 @@ class UnsupportedPoolError(TypeError):
 def paged_layout(kvcache: KVCache, page_size: int) -> PagedKvLayout:
     """Every per-layer buffer of an MHA or MLA pool, paged by SGLang's page size.
 
-    Exact types only: subclasses (FP4/MXFP8 quantized pools, hybrid SWA or
-    Mamba pools) carry scale or state buffers a page copy would miss, so they
-    are refused here rather than served half-copied.
+    Exact types only: subclasses (hybrid SWA or Mamba pools) carry state
+    buffers a page copy would miss, so they are refused here rather than served
+    half-copied. A quantized MHA pool (``--kv-cache-dtype`` FP8 or FP4 recipes)
+    is paged with its per-token scale buffers: layer ``l`` reads K, V, and their
+    scales, stored in the same block, so a block's KV and scales load together
+    or not at all. Its dequant workspace is scratch, not KV, and is not stored.
     """
     kind = type(kvcache)
     if kind is MHATokenToKVPool:
-        if getattr(kvcache, "is_quantized_kv_cache", False):
-            raise UnsupportedPoolError(
-                "--radix-cache-backend kvbm does not support quantized KV caches yet; "
-                "drop --kv-cache-dtype or use another cache backend"
-            )
-        tokens_per_row = 1 if kvcache.kv_cache_layout == "nhd" else page_size
         n = len(kvcache.k_buffer)
-        layers = [(layer, n + layer) for layer in range(n)]  # layer l reads K buffer l and V buffer l
-        return PagedKvLayout(list(kvcache.k_buffer) + list(kvcache.v_buffer), page_size, tokens_per_row, layers)
+        buffers = list(kvcache.k_buffer) + list(kvcache.v_buffer)
+        layers = [[layer, n + layer] for layer in range(n)]  # layer l reads K buffer l and V buffer l
+        if getattr(kvcache, "is_quantized_kv_cache", False):
+            for scales in _token_scales(kvcache):
+                layers = [ids + [len(buffers) + layer] for layer, ids in enumerate(layers)]
+                buffers += list(scales)
+        tokens_per_row = 1 if kvcache.kv_cache_layout == "nhd" else page_size
+        return PagedKvLayout(buffers, page_size, tokens_per_row, layers)
     if kind is MLATokenToKVPool:
         return PagedKvLayout(list(kvcache.kv_buffer), page_size, 1, [(layer,) for layer in range(len(kvcache.kv_buffer))])
     raise UnsupportedPoolError(
         f"--radix-cache-backend kvbm supports MHATokenToKVPool and MLATokenToKVPool; "
-        f"this model uses {kind.__name__} (hybrid, sliding-window, state-space and quantized "
-        f"pools are not supported yet)"
+        f"this model uses {kind.__name__} (hybrid, sliding-window and state-space pools are not supported yet)"
     )
+
+
+def _token_scales(kvcache) -> list:
+    """A quantized MHA pool's scale buffers (K's, V's), one row per token slot like its K and V; or refuse."""
+    name = getattr(getattr(kvcache, "quant_method", None), "name", type(getattr(kvcache, "quant_method", None)).__name__)
+    if getattr(kvcache, "native_k_scale_buffer", None) is not None or getattr(kvcache, "native_v_scale_buffer", None) is not None:
+        raise UnsupportedPoolError(
+            f"--radix-cache-backend kvbm does not store the page-major native FP4 scales of KV cache recipe {name!r} "
+            f"yet (per-token scales are: fp8_e4m3, fp4_mx_block16, nvfp4 off SM100); use another --kv-cache-dtype "
+            f"or another cache backend"
+        )
+    scales = [kvcache.k_scale_buffer, kvcache.v_scale_buffer]
+    if all(s is None for s in scales):
+        return []  # e.g. cpu_fp8_e4m3: K and V are the whole state
+    rows = kvcache.k_buffer[0].shape[0]
+    if any(s is None or len(s) != len(kvcache.k_buffer) or s[0].shape[0] != rows for s in scales) or \
+            kvcache.kv_cache_layout != "nhd":
+        raise UnsupportedPoolError(
+            f"--radix-cache-backend kvbm cannot page the scale buffers of KV cache recipe {name!r} with its K and V "
+            f"(one scale row per token slot, in the NHD layout, is what it stores); use another cache backend"
+        )
+    return scales
