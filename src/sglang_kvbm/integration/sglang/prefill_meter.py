@@ -3,7 +3,8 @@
 The cache never sees a forward pass, so the factory wraps *this scheduler's*
 model worker instance (never the class, never another process) to time extend
 batches: on CPU by wall clock around the synchronous call, on CUDA with events
-resolved later without synchronising.
+resolved later without synchronising. Batches that load from the tiers are
+not timed: their forward waits for the loads too.
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ def attach_prefill_meter(tp_worker: Any, meter: LinearCostMeter) -> None:
     def timed(batch=None, *args, **kwargs):
         mode = getattr(batch, "forward_mode", None)
         tokens = getattr(batch, "extend_num_tokens", None)
-        if mode is None or not mode.is_extend() or not tokens:
+        # A batch with loads from the tiers (a consumer index) also waits for them, layer by layer: its time is not
+        # the prefill of its new tokens alone, and would make recomputing look dearer than it is.
+        loading = getattr(batch, "hicache_consumer_index", -1) >= 0
+        if mode is None or not mode.is_extend() or not tokens or loading:
             return original(batch, *args, **kwargs)
         if on_cuda:
             drain()
