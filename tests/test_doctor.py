@@ -102,6 +102,13 @@ def test_disk_blocks_take_the_header_of_their_page_size(tmp_path, page_size, hea
     assert f"+ {header} header" in rows(routed, block_bytes=1 << 20)["disk tier"][1]
 
 
+def test_page_size_on_the_command_line(tmp_path):
+    env = {"DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": "64", "DYN_KVBM_DISK_CACHE_DIR": str(tmp_path)}
+    run = doctor(env, "--block-bytes", "1048576", "--page-size", "1024")
+    assert run.returncode == 0 and "+ 12 KiB header" in run.stdout, run.stdout
+    assert doctor({}, "--page-size", "0").returncode == 2
+
+
 def test_block_bytes_on_the_command_line(tmp_path):
     run = doctor({"DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": HUGE, "DYN_KVBM_DISK_CACHE_DIR": str(tmp_path)},
                  "--block-bytes", "1048576")

@@ -34,6 +34,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         metavar="BYTES",
         help="the model's KV block size (the server logs it at start-up): checks tiers sized in blocks exactly",
     )
+    doctor.add_argument(
+        "--page-size",
+        type=_positive_int,
+        metavar="TOKENS",
+        help="the server's --page-size: sizes each disk block's header (token ids) as the server will",
+    )
     args = parser.parse_args(argv)
     level = logging.WARNING if args.command == "doctor" else logging.INFO
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
@@ -45,7 +51,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "doctor":
         from sglang_kvbm.doctor import main as doctor_main
 
-        return doctor_main(sys.stdout, block_bytes=args.block_bytes)
+        return doctor_main(sys.stdout, block_bytes=args.block_bytes, page_size=args.page_size)
     if args.command == "events":
         from sglang_kvbm.integration.sglang.events_view import watch
 
