@@ -40,6 +40,15 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def ready_now(device: str) -> tuple:
+    """What a copy waits for: everything the current stream did so far (CUDA), nothing on CPU."""
+    if device != "cuda":
+        return ()
+    event = torch.cuda.Event()
+    event.record()
+    return (event,)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
@@ -59,12 +68,7 @@ def main() -> None:
     manager = LocalBlockManager(layout, n, pin=dev == "cuda")
     ids = tuple(chain_hashes(list(range(n * ps)), ps))
     source = torch.arange(ps, (n + 1) * ps, device=dev)  # pages 1..n hold the prefix
-    ready = ()
-    if dev == "cuda":
-        event = torch.cuda.Event()
-        event.record()
-        ready = (event,)
-    manager.store(StoreRequest(ids, source, lambda positions: [BlockMeta(ids[p]) for p in positions], ready))
+    manager.store(StoreRequest(ids, source, lambda positions: [BlockMeta(ids[p]) for p in positions], ready_now(dev)))
     assert manager.wait(timeout=120)
     manager.poll()
     target_slots = torch.arange((n + 1) * ps, (2 * n + 1) * ps, device=dev)  # where the load lands
@@ -98,11 +102,7 @@ def main() -> None:
 
     def host_hit() -> tuple[float, float, list[float]]:
         plan = manager.acquire(list(ids))
-        ready = ()
-        if dev == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-            ready = (event,)
+        ready = ready_now(dev)
         sync(dev)
         started = time.perf_counter()
         index = loader.start([(plan, target_slots)], ready)

@@ -28,7 +28,6 @@ Imports torch only.
 from __future__ import annotations
 
 import threading
-from typing import Optional
 
 import torch
 

@@ -210,13 +210,6 @@ class PagedKvLayout:
 
     # -- host -> device -----------------------------------------------------
 
-    def load(self, host: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor) -> None:
-        """Copy host ``rows`` into device ``pages``, every layer; returns when the bytes are there."""
-        for layer in range(self.num_layers):
-            self.load_layer(layer, host, rows, pages)
-        if self.is_cuda:
-            torch.cuda.current_stream().synchronize()
-
     def load_layer(
         self, layer: int, host: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor,
         runs: Optional[tuple[Optional[int], Optional[int]]] = None,

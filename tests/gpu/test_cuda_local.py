@@ -16,13 +16,12 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-from sglang_kvbm.backends.local import copies  # noqa: E402
 from sglang_kvbm.backends.local.lanes import LaneExecutor  # noqa: E402
 from sglang_kvbm.backends.local.layer_loader import LayerLoader  # noqa: E402
 from sglang_kvbm.backends.local.manager import LocalBlockManager  # noqa: E402
 from sglang_kvbm.core.identity import chain_hashes  # noqa: E402
 from sglang_kvbm.core.ports import BlockMeta, StoreRequest  # noqa: E402
-from sglang_kvbm.kv_layout import PagedKvLayout, index  # noqa: E402
+from sglang_kvbm.kv_layout import PagedKvLayout  # noqa: E402
 from sglang_kvbm.layer_counter import LayerCounter  # noqa: E402
 
 PAGE = 16

@@ -33,9 +33,9 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 from sglang.srt.mem_cache.unified_cache.unified_cache_linker import UnifiedCacheLinker
 
-from sglang_kvbm.config import KvbmConfig
 from sglang_kvbm.backends.local.layer_loader import LayerLoader
 from sglang_kvbm.backends.local.load_batches import LoadBatches
+from sglang_kvbm.config import KvbmConfig
 from sglang_kvbm.core.connector import KvbmConnector
 from sglang_kvbm.core.ports import StoreRequest
 from sglang_kvbm.integration.sglang import hooks
