@@ -25,9 +25,10 @@ pytestmark = pytest.mark.server
 
 
 def test_two_dp_ranks_each_serve_their_endpoint_and_publish_their_rank(model_dir, tmp_path):
-    http = free_port()
-    base = free_port()
-    events = {"publisher": "zmq", "endpoint": f"tcp://*:{base}", "replay_endpoint": f"tcp://*:{base + 10}"}
+    http = free_port(2)  # rank r serves on http + r, publishes on base + r, replays on replay + r
+    base = free_port(2)
+    replay_base = free_port(2)
+    events = {"publisher": "zmq", "endpoint": f"tcp://*:{base}", "replay_endpoint": f"tcp://*:{replay_base}"}
     server = SglangServer(
         model_dir,
         max_total_tokens=1024,
@@ -56,7 +57,7 @@ def test_two_dp_ranks_each_serve_their_endpoint_and_publish_their_rank(model_dir
         scraper.join(timeout=60)
         stats = [requests.get(f"http://127.0.0.1:{p}/stats", timeout=30).json() for p in (http, http + 1)]
         metrics = requests.get(f"http://127.0.0.1:{http}/metrics", timeout=30).text
-        ranks = {rank: replay(f"tcp://127.0.0.1:{base + 10 + rank}") for rank in (0, 1)}
+        ranks = {rank: replay(f"tcp://127.0.0.1:{replay_base + rank}") for rank in (0, 1)}
     assert not failures, failures[:5]
     assert all(s["connector"]["offloads"] > 0 for s in stats), [s["connector"] for s in stats]
     for rank, batches in ranks.items():

@@ -39,8 +39,12 @@ def _ephemeral_low() -> int:
         return 32768
 
 
-def free_port() -> int:
+def free_port(count: int = 1) -> int:
     """A port free on 127.0.0.1 now, for a server started later, never one handed out before.
+
+    ``count`` > 1 hands out ``count`` consecutive ports and answers the first: for servers
+    that add a rank to a base port (SGLang's KV event endpoints and KVBM's metrics port
+    under ``--dp-size``), so no rank's port can be another server's.
 
     Taken from 20000-32767, below the kernel's ephemeral range (32768-60999 by default): a port
     from that range can be given to some process's outgoing connection between this call and
@@ -50,17 +54,22 @@ def free_port() -> int:
     top = min(32768, _ephemeral_low())
     top = top if top > 21_000 else 32768
     for _ in range(500):
-        port = random.randrange(20_000, top)
-        if port in _handed_out:
+        base = random.randrange(20_000, top - count + 1)
+        ports = range(base, base + count)
+        if any(port in _handed_out for port in ports) or not all(_bindable(port) for port in ports):
             continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-    raise RuntimeError(f"no free port in 20000-{top}")
+        _handed_out.update(ports)
+        return base
+    raise RuntimeError(f"no {count} free consecutive ports in 20000-{top}")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class ServerError(RuntimeError):
