@@ -7,32 +7,11 @@ import weakref
 
 import pytest
 import torch
-from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
 import sglang_kvbm.integration.sglang.linker  # noqa: F401  (see test_a_closed_cache_is_collected_with_its_slab)
 from conftest import build_stack
 from sglang_kvbm.config import ConfigError
 from sglang_kvbm.integration.sglang.kv_pool import UnsupportedPoolError, paged_layout
-from sglang_kvbm.integration.sglang.ranks import check_components
-
-
-class _Params:
-    is_eagle = False
-    mtp_draft_device_pools = ()
-    sidecar_draft_device_pools = ()
-
-
-@pytest.mark.parametrize("component,word", [(ComponentType.SWA, "SWA"), (ComponentType.MAMBA, "MAMBA")])
-def test_hybrid_models_are_refused_naming_the_state_the_tiers_do_not_hold(component, word):
-    with pytest.raises(UnsupportedPoolError, match=f"{word}.*run it without --radix-cache-backend kvbm"):
-        check_components({ComponentType.FULL, component}, _Params())
-
-
-def test_speculative_draft_kv_is_refused():
-    params = _Params()
-    params.is_eagle = True
-    with pytest.raises(UnsupportedPoolError, match="draft KV"):
-        check_components({ComponentType.FULL}, params)
 
 
 @pytest.mark.parametrize("recipe, scales", [("fp8", 0), ("fp4", 2), ("nvfp4", 2)])

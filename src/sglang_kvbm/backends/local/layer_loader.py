@@ -10,6 +10,10 @@ after layer, marking each one on the counter (``layer_counter``): on CPU once
 it has landed, on CUDA once it is enqueued (the counter records the layer's
 event; nothing here waits for the device). A batch that fails is failed on the
 counter, after the copies it enqueued have ended.
+
+Sidecar pools (sliding-window pages, Mamba states: ``sidecars``) load in the
+same pass, each from its own tiers into its own pool, on the layers its
+layout maps; one layer is complete once every pool's part of it is.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import time
 from typing import Callable, Optional, Sequence
 
 from sglang_kvbm.backends.local import copies
-from sglang_kvbm.backends.local.manager import LoadPlan, LocalBlockManager
+from sglang_kvbm.backends.local.manager import LocalBlockManager
 from sglang_kvbm.core.tiers import Tier
 
 logger = logging.getLogger(__name__)
@@ -33,12 +37,14 @@ class LayerLoader:
         manager: LocalBlockManager,
         counter,
         *,
+        sidecars: Optional[dict[str, LocalBlockManager]] = None,
         observe: Callable[[str, int, float], None] = lambda path, nbytes, seconds: None,
         before_layer: Optional[Callable[[int, int], None]] = None,
     ) -> None:
         """``before_layer(index, layer)`` runs on the loader thread before each layer (tests hold layers back)."""
         self._manager = manager
         self._layout = manager.layout
+        self._sidecars = dict(sidecars or {})
         self._counter = counter
         self._observe = observe
         self.before_layer = before_layer
@@ -50,8 +56,11 @@ class LayerLoader:
         self._thread = threading.Thread(target=self._run, name="kvbm-load", daemon=True)
         self._thread.start()
 
-    def start(self, loads: Sequence[tuple[LoadPlan, object]], ready: Sequence = ()) -> int:
-        """Queue one forward's loads (``(plan, device token slots)``) to run after ``ready``; returns the counter index."""
+    def start(self, loads: Sequence[tuple], ready: Sequence = ()) -> int:
+        """Queue one forward's loads to run after ``ready``; returns the counter index.
+
+        A load is ``(plan, device token slots)``, or ``(plan, slots, {sidecar: (plan, its device slots)})``.
+        """
         index = self._counter.update_producer()
         with self._idle:
             self._busy += 1
@@ -82,19 +91,26 @@ class LayerLoader:
         started = time.perf_counter()
         layout = self._layout
         with layout.copying(self._stream, ready):
-            parts = []
-            for plan, slots in loads:
-                if layout.is_cuda:
-                    slots.record_stream(self._stream)  # made on the scheduler's stream, read on this one
-                parts += self._manager.load_parts(plan, layout.pages_of(slots))
-            batch = copies.load_batch(layout, parts)
+            pools = [(layout, self._manager, [load[:2] for load in loads])]
+            pools += [(manager.layout, manager, [load[2][name] for load in loads if len(load) > 2 and name in load[2]])
+                      for name, manager in self._sidecars.items()]
+            batches = []
+            for pool_layout, manager, pool_loads in pools:
+                parts = []
+                for plan, slots in pool_loads:
+                    if layout.is_cuda:
+                        slots.record_stream(self._stream)  # made on the scheduler's stream, read on this one
+                    parts += manager.load_parts(plan, pool_layout.pages_of(slots))
+                batches.append((pool_layout, copies.load_batch(pool_layout, parts)))
             for layer in range(layout.num_layers):
                 if self.before_layer is not None:
                     self.before_layer(index, layer)
-                copies.load_layer(layout, batch, layer)
+                for pool_layout, batch in batches:
+                    copies.load_layer(pool_layout, batch, layer)
                 self._counter.complete(index, layer)
         if not layout.is_cuda:  # on CUDA this is the enqueue time, not the copy's: not a transfer figure
-            self._observe("onboard_h2d", batch.blocks[Tier.HOST] * layout.page_bytes, time.perf_counter() - started)
+            nbytes = sum(batch.blocks[Tier.HOST] * pool_layout.page_bytes for pool_layout, batch in batches)
+            self._observe("onboard_h2d", nbytes, time.perf_counter() - started)
 
     def wait_idle(self, timeout: Optional[float] = None) -> bool:
         """Wait until every queued batch has been handed to the device (reset and close)."""

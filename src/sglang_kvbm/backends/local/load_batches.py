@@ -19,19 +19,21 @@ from typing import Optional, Sequence
 
 
 class LoadBatches:
-    def __init__(self, connector, loader, counter) -> None:
+    def __init__(self, connector, loader, counter, sidecars=None) -> None:
+        """``sidecars``: the ``SidecarStores`` whose plans ride along with the KV plans (hybrid models)."""
         self._connector = connector
         self._loader = loader
         self._counter = counter
-        self._queued: dict[str, tuple] = {}  # rid -> (plan, device slots), for the next forward
+        self._sidecars = sidecars
+        self._queued: dict[str, tuple] = {}  # rid -> (plan, device slots[, {sidecar: (plan, slots)}]), next forward
         self._started: dict[int, list] = {}  # counter index -> plans being copied
         self._landing: list[tuple] = []  # (done event, plans, landed, index): copies enqueued, not ended (CUDA)
 
-    def queue(self, rid: str, plan, slots) -> None:
+    def queue(self, rid: str, plan, slots, sidecars: Optional[dict] = None) -> None:
         old = self._queued.pop(rid, None)
         if old is not None:
-            self._connector.cancel(old[0])
-        self._queued[rid] = (plan, slots)
+            self._cancel(old)
+        self._queued[rid] = (plan, slots, sidecars) if sidecars else (plan, slots)
 
     def pending(self) -> bool:
         """Whether a load is queued for the next forward."""
@@ -46,8 +48,13 @@ class LoadBatches:
         queued = self._queued.pop(rid, None)
         if queued is None:
             return False
-        self._connector.cancel(queued[0])
+        self._cancel(queued)
         return True
+
+    def _cancel(self, load) -> None:
+        self._connector.cancel(load[0])
+        if len(load) > 2:
+            self._sidecars.release({name: plan for name, (plan, _) in load[2].items()}, reused=False)
 
     def start(self, ready: Sequence = ()) -> int:
         """Hand every queued load to the loader as one batch after ``ready``; the counter index, or -1."""
@@ -55,7 +62,7 @@ class LoadBatches:
             return -1
         loads, self._queued = list(self._queued.values()), {}
         index = self._loader.start(loads, ready)
-        self._started[index] = [plan for plan, _ in loads]
+        self._started[index] = [(load[0], load[2] if len(load) > 2 else None) for load in loads]
         return index
 
     def finish(self, index: int) -> bool:
@@ -70,8 +77,10 @@ class LoadBatches:
         return landed
 
     def _release(self, plans, landed: bool, index: int) -> None:
-        for plan in plans:
+        for plan, sidecars in plans:
             self._connector.release(plan, landed=landed)
+            if sidecars:
+                self._sidecars.release({name: p for name, (p, _) in sidecars.items()}, reused=landed)
         self._counter.forget(index)
 
     def poll(self, wait: bool = False) -> None:
@@ -96,11 +105,11 @@ class LoadBatches:
 
     def drop(self) -> None:
         """The cache is reset: loads not started never will be, and started ones count as not landed."""
-        for plan, _ in self._queued.values():
-            self._connector.cancel(plan)
+        for load in self._queued.values():
+            self._cancel(load)
         for plans in self._started.values():
-            for plan in plans:
-                self._connector.cancel(plan)
+            for plan, sidecars in plans:
+                self._cancel((plan, None, sidecars) if sidecars else (plan,))
         self._queued.clear()
         self._started.clear()
         self._counter.reset()

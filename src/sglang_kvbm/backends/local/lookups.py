@@ -85,6 +85,10 @@ class TierReads:
         host, lower = self._flags(block_ids, staged=False)
         return _run(host), _run(lower)
 
+    def servable(self, block_ids: Sequence[BlockId]) -> list[bool]:
+        """Per block: servable now (host, disk, or read into staging); changes nothing."""
+        return self._flags(block_ids, staged=True)[1] if block_ids else []
+
     def lookup(self, block_ids: Sequence[BlockId]) -> tuple[int, int]:
         """``(leading blocks servable now, of which in host)``; starts reading the disk-only ones."""
         if not block_ids:

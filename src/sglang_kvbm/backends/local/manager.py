@@ -115,6 +115,9 @@ class LocalBlockManager:
     def lookup(self, block_ids: Sequence[BlockId]) -> tuple[int, int]:
         return self.reads.lookup(block_ids)
 
+    def servable(self, block_ids: Sequence[BlockId]) -> list[bool]:
+        return self.reads.servable(block_ids)
+
     def acquire(self, block_ids: Sequence[BlockId]) -> Optional[LoadPlan]:
         return self.reads.acquire(block_ids)
 

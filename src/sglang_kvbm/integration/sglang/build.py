@@ -17,11 +17,12 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang_kvbm.backends.local.disk.setup import probe
 from sglang_kvbm.backends.local.disk.store import DiskStore
 from sglang_kvbm.backends.local.manager import LocalBlockManager
+from sglang_kvbm.backends.local.sidecars import SidecarStores
 from sglang_kvbm.config import GIB, ConfigError, KvbmConfig
 from sglang_kvbm.core.offload_filter import FrequencyFilter
 from sglang_kvbm.core.onboard_policy import OnboardPolicy
 from sglang_kvbm.integration.sglang.fingerprint import server_fingerprint
-from sglang_kvbm.integration.sglang.kv_pool import paged_layout
+from sglang_kvbm.integration.sglang.pool_group import PoolGroup, describe_pools
 from sglang_kvbm.kv_layout import PagedKvLayout
 
 logger = logging.getLogger(__name__)
@@ -43,72 +44,89 @@ class Tiers:
     layout: PagedKvLayout
     manager: LocalBlockManager
     policy: Optional[OnboardPolicy]
+    group: PoolGroup
+    sidecars: SidecarStores
 
 
 def build_tiers(
     params: CacheInitParams, config: KvbmConfig, identity: Identity, observer=None, offload_executor=None,
-    disk_writer=None, disk_reader=None, forward_stream=None,
+    disk_writer=None, disk_reader=None, forward_stream=None, components=(),
 ) -> Tiers:
-    """The host and disk tiers below ``params``' device pool, as ``config`` describes them."""
+    """The host and disk tiers below ``params``' device pools, as ``config`` describes them.
+
+    A hybrid model's sidecar pools (sliding-window pages, Mamba states) get
+    tiers of their own with as many blocks as the KV's: the byte budgets are
+    split by each pool's share of a block.
+    """
     config.require_a_tier()
     check_router_block_size(config, params.page_size)
     allocator = params.token_to_kv_pool_allocator
     kvcache = allocator.get_kvcache()
-    layout = paged_layout(kvcache, params.page_size)
+    group = describe_pools(params, components)
+    layout = group.kv
+    layouts = [layout] + [s.layout for s in group.sidecars]
     if layout.is_cuda:  # the copy streams are drawn apart from the scheduler's (current) and the forward's
         import torch
 
         layout.avoid_streams(torch.cuda.current_stream(layout.device), forward_stream)
-    host_blocks = config.host_blocks(layout.block_bytes)
+    row_bytes = sum(each.block_bytes for each in layouts)
+    host_blocks = config.host_blocks(row_bytes)
     device_pages = allocator.size // params.page_size
     if config.has_host and host_blocks < device_pages:
         logger.warning(
             "kvbm: the host tier (%d blocks) is smaller than the device KV pool (%d pages): "
             "it can only hold what the device already holds, so it will churn without hits. "
             "Raise DYN_KVBM_CPU_CACHE_GB to at least %.3g.",
-            host_blocks, device_pages, device_pages * layout.block_bytes / GIB,
+            host_blocks, device_pages, device_pages * row_bytes / GIB,
         )
-    disk = policy = offload_filter = None
+    settings = dict(identity.settings)
+    if group.sidecars or group.shape["drafts"]:  # a dense model's identity stays what it was
+        settings["pool_group"] = group.shape_id()
+    pools = [("kv", layout)] + [(s.name, s.layout) for s in group.sidecars]
+    disks: list = [None] * len(pools)
+    disk_blocks, policy = 0, None
     if config.has_disk:
-        fingerprint, description = server_fingerprint(
-            identity.model_path, layout, kvcache, revision=identity.revision,
-            settings=identity.settings, ranks=identity.ranks, download_dir=identity.download_dir,
+        slot_bytes = [DiskStore.header_bytes_for(each.page_size) + each.block_bytes for each in layouts]
+        disk_blocks = config.disk_blocks(sum(slot_bytes))
+        identities = [server_fingerprint(
+            identity.model_path, pool_layout, kvcache, revision=identity.revision,
+            settings=settings if name == "kv" else {**settings, "stored_pool": name},
+            ranks=identity.ranks, download_dir=identity.download_dir,
+        ) for name, pool_layout in pools]
+        found = probe(
+            config.disk_cache_dir, disk_blocks * sum(slot_bytes), zerofill_fallback=config.disk_zerofill_fallback,
+            disable_o_direct=config.disk_disable_o_direct,
+            already_ours=sum(DiskStore.existing_bytes(config.disk_cache_dir, f) for f, _ in identities),
         )
-        disk, policy = _build_disk(config, layout, fingerprint, description)
-        offload_filter = None if config.disable_disk_offload_filter else FrequencyFilter()
-    manager = LocalBlockManager(
-        layout, host_blocks, pin=layout.is_cuda, disk=disk, offload_filter=offload_filter, policy=policy,
-        observer=observer, executor=offload_executor, writer=disk_writer, reader=disk_reader,
-    )
+        for i, ((name, pool_layout), (fingerprint, description)) in enumerate(zip(pools, identities)):
+            logger.info("kvbm: disk identity %s (%s): %s", fingerprint.hex(), name, description)
+            disks[i] = DiskStore(probe=found, num_slots=disk_blocks, block_bytes=pool_layout.block_bytes,
+                                 fingerprint=fingerprint, page_size=pool_layout.page_size, pin=layout.is_cuda)
+        policy = OnboardPolicy(bytes_per_token=disks[0].slot_bytes / layout.page_size)
+        policy.read.record(4 << 20, (4 << 20) / found.read_bytes_per_s)  # seeded by the probe, refined by real reads
+    managers = []
+    for (name, pool_layout), disk in zip(pools, disks):
+        kv = name == "kv"  # the tests' gated threads and the metrics observe the KV pool's copies
+        managers.append(LocalBlockManager(
+            pool_layout, host_blocks, pin=layout.is_cuda, disk=disk,
+            offload_filter=None if disk is None or config.disable_disk_offload_filter else FrequencyFilter(),
+            policy=policy if kv else None, observer=observer if kv else None,
+            executor=offload_executor if kv else None, writer=disk_writer if kv else None,
+            reader=disk_reader if kv else None,
+        ))
+    manager = managers[0]
+    sidecars = SidecarStores({s.name: (m, s.window) for s, m in zip(group.sidecars, managers[1:])})
+    disk = manager.disk
     logger.info(
-        "kvbm: local backend, page %d tokens, block %d bytes (%d buffers, %d layers); host tier %d blocks (%.2f GiB%s); "
+        "kvbm: local backend, page %d tokens, block %d bytes (%s; %d layers); host tier %d blocks (%.2f GiB%s); "
         "disk tier %s",
-        params.page_size, layout.block_bytes, len(layout.buffer_page_bytes), layout.num_layers, host_blocks,
-        host_blocks * layout.block_bytes / GIB, ", pinned" if layout.is_cuda else "",
-        "off" if disk is None else f"{disk.num_slots} blocks ({disk.num_slots * disk.slot_bytes / GIB:.2f} GiB) "
-        f"in {disk.directory}, offload filter {'off' if offload_filter is None else 'on'}",
+        params.page_size, row_bytes, ", ".join(f"{name} {each.block_bytes} bytes in {len(each.buffer_page_bytes)} buffers"
+                                               for name, each in zip(("kv", *(s.name for s in group.sidecars)), layouts)),
+        layout.num_layers, host_blocks, host_blocks * row_bytes / GIB, ", pinned" if layout.is_cuda else "",
+        "off" if disk is None else f"{disk_blocks} blocks ({disk_blocks * sum(m.disk.slot_bytes for m in managers) / GIB:.2f} "
+        f"GiB) in {config.disk_cache_dir}, offload filter {'off' if config.disable_disk_offload_filter else 'on'}",
     )
-    return Tiers(layout, manager, policy)
-
-
-def _build_disk(config: KvbmConfig, layout: PagedKvLayout, fingerprint: bytes, description: dict):
-    slot_bytes = DiskStore.header_bytes_for(layout.page_size) + layout.block_bytes
-    blocks = config.disk_blocks(slot_bytes)
-    found = probe(
-        config.disk_cache_dir,
-        blocks * slot_bytes,
-        zerofill_fallback=config.disk_zerofill_fallback,
-        disable_o_direct=config.disk_disable_o_direct,
-        already_ours=DiskStore.existing_bytes(config.disk_cache_dir, fingerprint),
-    )
-    logger.info("kvbm: disk identity %s: %s", fingerprint.hex(), description)
-    disk = DiskStore(
-        probe=found, num_slots=blocks, block_bytes=layout.block_bytes, fingerprint=fingerprint, page_size=layout.page_size,
-        pin=layout.is_cuda,
-    )
-    policy = OnboardPolicy(bytes_per_token=slot_bytes / layout.page_size)
-    policy.read.record(4 << 20, (4 << 20) / found.read_bytes_per_s)  # seeded by the probe, refined by real reads
-    return disk, policy
+    return Tiers(layout, manager, policy, group, sidecars)
 
 
 def check_router_block_size(config: KvbmConfig, page_size: int) -> None:

@@ -44,6 +44,12 @@ from sglang_kvbm.integration.sglang.event_order import EventOrderer
 from sglang_kvbm.integration.sglang.events import SglangEventSink
 from sglang_kvbm.integration.sglang.flags import check_installed_sglang
 from sglang_kvbm.integration.sglang.page_identity import EventSettings, InsertContext
+from sglang_kvbm.integration.sglang.pool_transfers import (
+    kv_transfer,
+    restorable_lengths,
+    sidecar_loads,
+    sidecar_stores,
+)
 from sglang_kvbm.integration.sglang.ranks import LinkerSetup, check_components, setup_of
 from sglang_kvbm.integration.sglang.tier_query import TierQueries, TierTokens, tier_tokens
 from sglang_kvbm.integration.sglang.worker_counter import KvbmLayerCounter
@@ -83,16 +89,21 @@ class KvbmLinker(UnifiedCacheLinker):
         extra = extra_config or {}
         tiers = build_tiers(params, config, self.setup.identity, observer=self.metrics,
                             offload_executor=extra.get("offload_executor"), disk_writer=extra.get("disk_writer"),
-                            disk_reader=extra.get("disk_reader"), forward_stream=forward_stream)
+                            disk_reader=extra.get("disk_reader"), forward_stream=forward_stream, components=components)
         self.layout, self.manager, self.policy = tiers.layout, tiers.manager, tiers.policy
+        self.group, self.sidecars = tiers.group, tiers.sidecars
         self.connector = KvbmConnector(
             self.manager, self.sink, page_size=params.page_size,
             min_offload_priority=config.host_offload_min_priority, hit_rate_window=config.cache_stats_max_requests,
         )
-        self.pools = {PoolName.KV: params.token_to_kv_pool_allocator.get_kvcache()}
+        kvcache = params.token_to_kv_pool_allocator.get_kvcache()
+        self.pools = {PoolName.KV: kvcache, **{PoolName(name): kvcache for name in self.sidecars.managers}}
         self.layer_done_counter = KvbmLayerCounter(self.layout.num_layers, self.policy, cuda=self.layout.is_cuda)
-        self.loader = LayerLoader(self.manager, self.layer_done_counter, observe=self.manager.observe)
-        self.loads = LoadBatches(self.connector, self.loader, self.layer_done_counter)
+        if PoolName.MAMBA in self.pools:  # Mamba layers wait through the request pool (SGLang registers the KV pool's)
+            params.req_to_token_pool.register_layer_transfer_counter(self.layer_done_counter)
+        self.loader = LayerLoader(self.manager, self.layer_done_counter, observe=self.manager.observe,
+                                  sidecars=self.sidecars.managers)
+        self.loads = LoadBatches(self.connector, self.loader, self.layer_done_counter, self.sidecars)
         self.queries = TierQueries(self.tier_tokens)
         self.cache = None
         self._insert: Optional[tuple] = None  # (key, priority) of the insert in progress
@@ -109,23 +120,33 @@ class KvbmLinker(UnifiedCacheLinker):
     # -- the contract ---------------------------------------------------------------
 
     def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
-        keys = _kv(transfers).keys or []
+        keys = kv_transfer(transfers).keys or []
         hit = self.connector.lookup(rid, keys)
+        if self.sidecars:  # hybrid: only boundaries whose window pages / state the sidecar tiers hold too
+            return self.sidecars.restorable(keys, hit) if hit else []
         return restorable_lengths(hit, self.setup.ranks_agreeing > 1)
 
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
-        kv = _kv(transfers)
-        plan = None
+        kv = kv_transfer(transfers)
+        plan = side = None
         try:
             plan = self.connector.acquire(kv.keys)
+            if plan is not None and self.sidecars:  # all or none: the KV with every sidecar pool's part
+                wanted = sidecar_loads(transfers, self.sidecars.managers)
+                side = self.sidecars.acquire({n: t.keys for n, t in wanted.items()}) if wanted is not None else None
+                if side is None:
+                    self.connector.cancel(plan)
+                    plan = None
         finally:  # also when acquire raised: the other ranks are in the reduction already
             if self.setup.ranks_agreeing > 1 and not self._all_ranks_agree(plan is not None):
                 if plan is not None:
                     self.connector.cancel(plan)
+                    self.sidecars.release(side or {}, reused=False)
                 plan = None
         if plan is None:
             return False
-        self.loads.queue(rid, plan, kv.device_indices)
+        side = {name: (side[name], t.device_indices) for name, t in wanted.items()} if side else None
+        self.loads.queue(rid, plan, kv.device_indices, side)
         return True
 
     def start_layer_wise_loading(self) -> int:
@@ -151,17 +172,23 @@ class KvbmLinker(UnifiedCacheLinker):
             return False
         key, priority = self._insert
         context = InsertContext(key, priority, self.page_size, self._event_settings)
-        kv = _kv(transfers)
+        kv = kv_transfer(transfers)
         keys = tuple(kv.keys)
         ready = tuple(self.record_offload_ready()) if self.layout.is_cuda else ()
         request = StoreRequest(keys, kv.device_indices, functools.partial(context.describe, keys), ready)
-        return self.connector.offload(request, priority=priority)
+        if not self.connector.offload(request, priority=priority):
+            return False
+        if self.sidecars:  # the node's sliding-window pages and Mamba state complete with its KV, as one offload
+            self.sidecars.store(sidecar_stores(transfers, self.sidecars.managers, ready))
+        return True
 
     def num_completed_offloads(self) -> int:
         # Called by the scheduler at the top of every step: the linker's per-step hook.
         self.loads.poll()
         self.queries.answer_pending()
         count = self.connector.completed_offloads()
+        if self.sidecars:
+            count = min(count, self.sidecars.completed())
         if self.metrics is not None:
             now = time.monotonic()
             if now - self._published_at >= PUBLISH_INTERVAL_S:  # the idle scheduler loops without pause
@@ -172,7 +199,8 @@ class KvbmLinker(UnifiedCacheLinker):
         return count
 
     def pop_completed_offload(self) -> bool:
-        return self.connector.pop_completed_offload()
+        ok = self.connector.pop_completed_offload()
+        return self.sidecars.pop() and ok if self.sidecars else ok
 
     def _all_ranks_agree(self, ok: bool) -> bool:
         """MIN-reduce a rank's yes/no over the attention ranks, through the tree's own reduction (lookup's groups)."""
@@ -185,7 +213,9 @@ class KvbmLinker(UnifiedCacheLinker):
         deadline = None if timeout is None else time.monotonic() + timeout
         idle = self.loads.quiesce(timeout)
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        return self.connector.flush(left) and idle
+        flushed = self.connector.flush(left)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return self.sidecars.wait(left) and flushed and idle
 
     def _quiesce_or_warn(self, what: str) -> None:
         # Loads first, unbounded: they write device pages and read rows their plans pin, and end in a copy's time.
@@ -203,6 +233,7 @@ class KvbmLinker(UnifiedCacheLinker):
         """
         self._quiesce_or_warn("dropping the tiers")
         self.manager.drop()
+        self.sidecars.drop()
         self.connector.poll()
 
     def reset(self) -> None:
@@ -210,6 +241,7 @@ class KvbmLinker(UnifiedCacheLinker):
         self._quiesce_or_warn("reset")
         self.loads.drop()
         self.connector.reset()
+        self.sidecars.reset()
         self.sink.clear()
 
     def close(self) -> None:
@@ -220,6 +252,7 @@ class KvbmLinker(UnifiedCacheLinker):
             self.endpoint.close()
         self.loads.close()
         self.connector.close()
+        self.sidecars.close()
 
     # -- what the hooks give (see ``hooks``) -------------------------------------------
 
@@ -270,28 +303,3 @@ class KvbmLinker(UnifiedCacheLinker):
         from sglang_kvbm.integration.sglang.endpoint import metrics_of
 
         return metrics_of(self.connector.snapshot())
-
-
-def restorable_lengths(hit: int, across_ranks: bool) -> list[int]:
-    """The prefix lengths (pages) a load can restore, for SGLang to intersect across ranks.
-
-    Every length up to ``hit`` is restorable (full-attention pages only). A lone
-    rank needs just ``hit``; ranks that must agree get the last 32 lengths and
-    every power of two below, so their intersection (SGLang's MIN-reduce over a
-    mask it fills one entry per length) finds a common length near the shortest
-    rank's hit without a per-page list.
-    """
-    if not hit:
-        return []
-    if not across_ranks:
-        return [hit]
-    near = range(max(1, hit - 31), hit + 1)
-    powers = (1 << k for k in range(hit.bit_length()) if (1 << k) < near.start)
-    return [*powers, *near]
-
-
-def _kv(transfers: list[PoolTransfer]) -> PoolTransfer:
-    for transfer in transfers:
-        if transfer.name == PoolName.KV:
-            return transfer
-    raise ValueError("the tree passed no KV transfer to the kvbm linker")

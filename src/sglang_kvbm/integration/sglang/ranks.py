@@ -37,19 +37,13 @@ class LinkerSetup:
 
 
 def check_components(components, params) -> None:
-    """Refuse, with the reason, what this linker cannot store byte for byte."""
-    unsupported = {c for c in components if c != ComponentType.FULL}
+    """Refuse, with the reason, tree components this linker cannot store (the pools themselves: ``pool_group``)."""
+    unsupported = {c for c in components if c not in (ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA)}
     if unsupported:
         names = ", ".join(sorted(c.name for c in unsupported))
         raise UnsupportedPoolError(
-            f"sglang-kvbm stores full-attention KV pages only; this model also keeps {names} state "
-            f"(sliding-window or Mamba layers), which its tiers do not hold yet: run it without "
-            f"--radix-cache-backend kvbm"
-        )
-    if params.is_eagle or params.mtp_draft_device_pools or params.sidecar_draft_device_pools:
-        raise UnsupportedPoolError(
-            "sglang-kvbm does not store speculative-decoding draft KV yet: run without --speculative-algorithm, "
-            "or without --radix-cache-backend kvbm"
+            f"sglang-kvbm stores full-attention, sliding-window and Mamba state; this model also keeps {names} "
+            f"state, which SGLang's linker seam does not carry: run it without --radix-cache-backend kvbm"
         )
 
 

@@ -1,0 +1,84 @@
+"""Mamba / linear-attention hybrids (Qwen3-Next, Qwen3.5, Nemotron-H): full-attention pages and the state at a boundary.
+
+Proven in process on SGLang's own ``HybridLinearKVPool`` (MHA full layers,
+which SGLang's own ``resolve_hybrid_device_pool_group`` refuses) with its
+``MambaPool``, allocator and default tree on CPU (``hybrid_kit``). A real
+server cannot be trusted here: a tiny ``Qwen3NextForCausalLM`` builds a
+CUDA-only norm on CPU (``models/qwen3_next.py`` ``FusedRMSNormGated``).
+
+The state a tier serves is the one stored for exactly the matched boundary:
+Mamba states are kept per node end, under that page's key (which names the
+whole prefix), so a hit lands only on boundaries that have one.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hybrid_kit import admit, build, equal, kv_bytes, mamba_bytes
+
+PAGES = 6
+
+
+def prompt(start: int, pages: int, page: int = 1) -> list[int]:
+    return list(range(start, start + pages * page + 1))
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_state_and_pages_come_back_equal_after_device_eviction(tmp_path, page_size, tier):
+    h = build("mamba", tmp_path, page_size=page_size,
+              host_blocks=0 if tier == "disk" else 256, disk_blocks=256 if tier == "disk" else 0)
+    tokens = prompt(1000, PAGES, page_size)
+    first = admit(h, tokens)
+    kv, state = kv_bytes(h, first.slots), mamba_bytes(h, first.mamba_slot)
+    h.evict_device()
+    again = admit(h, tokens, compute=False)
+    assert again.device_tokens == 0 and again.loaded_tokens == PAGES * page_size and not again.failed
+    assert equal(kv_bytes(h, again.loaded_slots), kv)
+    assert again.mamba_slot is not None and equal(mamba_bytes(h, again.mamba_slot), state)
+
+
+def test_a_state_evicted_on_the_device_alone_comes_back_from_the_host(tmp_path):
+    h = build("mamba", tmp_path)
+    tokens = prompt(1000, PAGES)
+    first = admit(h, tokens)
+    state = mamba_bytes(h, first.mamba_slot)
+    h.evict_device(kv=False)  # SGLang evicts Mamba states apart from KV pages: the device match ends at 0
+    again = admit(h, tokens, compute=False)
+    assert again.device_tokens == 0 and again.loaded_tokens == PAGES
+    assert equal(mamba_bytes(h, again.mamba_slot), state)
+
+
+def test_after_a_split_each_boundary_restores_its_own_state_or_none(tmp_path):
+    """B ends inside A's node: the tree splits it and gives the new boundary B's state.
+
+    SGLang 0.5.23's tree does not offload that state: the split parent inherits
+    ``external_cache_stored`` from A's node (``unified_tree_core.py``
+    ``_needs_external_linker_offload``), so boundary 3 is never in the tiers and
+    a request ending there recomputes. What must hold: A's boundary still
+    restores A's state, and no boundary ever gets another one's state.
+    """
+    h = build("mamba", tmp_path)
+    a = prompt(1000, PAGES)
+    first = admit(h, a)
+    state_a = mamba_bytes(h, first.mamba_slot)
+    second = admit(h, a[:3] + [7])
+    state_b = mamba_bytes(h, second.mamba_slot)
+    assert not equal(state_a, state_b)
+    c = a[:3] + list(range(5000, 5004))
+    assert admit(h, c, compute=False).device_tokens == 3  # the device holds B's state at the split boundary
+    h.evict_device()
+    at_3 = admit(h, c, compute=False)
+    assert at_3.loaded_tokens == 0 or equal(mamba_bytes(h, at_3.mamba_slot), state_b)
+    at_6 = admit(h, a, compute=False)
+    assert at_6.loaded_tokens == PAGES and equal(mamba_bytes(h, at_6.mamba_slot), state_a)
+
+
+def test_no_state_at_a_boundary_means_no_hit_there(tmp_path):
+    h = build("mamba", tmp_path)
+    a = prompt(1000, PAGES)
+    admit(h, a)
+    h.evict_device()
+    inside = admit(h, a[:4] + [9, 9, 9], compute=False)  # pages 0..3 are in the tiers, but no state at 4 (or before)
+    assert inside.loaded_tokens == 0

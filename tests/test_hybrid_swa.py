@@ -1,0 +1,67 @@
+"""Sliding-window hybrids (GPT-OSS, Gemma 3/4, Llama 4, MiMo): full-attention pages and the window's SWA pages.
+
+Proven in process on SGLang's own ``SWAKVPool``, its allocator and default tree
+on CPU (``hybrid_kit``): SGLang 0.5.23 refuses ``torch_native`` attention for
+these models at argument resolution (``arg_groups/model_hook.py``), and with
+that check patched out stock SGLang disagrees with itself on CPU (DESIGN §3b),
+so a real-server comparison would prove nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hybrid_kit import admit, build, equal, kv_bytes, swa_bytes
+from test_disk_tier import data_offset, flip_bit, segment_path
+
+PAGES = 6
+
+
+def prompt(start: int, pages: int, page: int) -> list[int]:
+    return list(range(start, start + pages * page + 1))
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_window_pages_and_full_pages_come_back_equal(tmp_path, page_size, tier):
+    window = 2 * page_size + 1  # the window spans three pages, not all of the prompt
+    h = build("swa", tmp_path, page_size=page_size, window=window,
+              host_blocks=0 if tier == "disk" else 256, disk_blocks=256 if tier == "disk" else 0)
+    tokens = prompt(1000, PAGES, page_size)
+    first = admit(h, tokens)
+    assert first.loaded_tokens == 0
+    window_slots = first.slots[-3 * page_size:]
+    kv, swa = kv_bytes(h, first.slots), swa_bytes(h, window_slots)
+    h.evict_device()
+    again = admit(h, tokens, compute=False)
+    assert again.device_tokens == 0 and again.loaded_tokens == PAGES * page_size and not again.failed
+    assert equal(kv_bytes(h, again.loaded_slots), kv)
+    assert equal(swa_bytes(h, again.loaded_slots[-3 * page_size:]), swa)
+    side = h.linker.sidecars.managers["swa"]
+    stats = h.linker.connector.stats
+    assert stats.onboard_blocks_h2d + stats.onboard_blocks_d2d == PAGES
+    assert (side.host is not None and len(side.host)) or len(side.disk)
+
+
+def test_one_corrupt_window_page_on_disk_misses_the_whole_load_then_an_intact_boundary_is_served(tmp_path):
+    """Corrupt the SWA bytes of the last page on disk: no KV is served without its window (all or none)."""
+    h = build("swa", tmp_path, window=3, host_blocks=0, disk_blocks=256)
+    tokens = prompt(1000, PAGES, 1)
+    first = admit(h, tokens)
+    kv = kv_bytes(h, first.slots)
+    h.evict_device()
+    disk = h.linker.sidecars.managers["swa"].disk
+    victim = _last_key(h, tokens)
+    flip_bit(segment_path(disk, victim), data_offset(disk, victim) + 5)
+    missed = admit(h, tokens, compute=False)
+    assert missed.tier_tokens == PAGES and missed.loaded_tokens == 0  # the load was refused whole: it recomputes
+    assert h.linker.connector.stats.onboard_blocks_d2d == 0
+    served = admit(h, tokens, compute=False)  # the bad block is gone; pages 3..5 are an intact window for boundary 5
+    assert served.loaded_tokens == PAGES - 1 and not served.failed
+    assert equal(kv_bytes(h, served.loaded_slots), [b[: PAGES - 1] for b in kv])
+
+
+def _last_key(h, tokens) -> str:
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    return get_storage_hash_str(tokens[:PAGES], None, page_size=1)[-1]
