@@ -72,7 +72,7 @@ class Hybrid:
 
 
 def build(kind: str, tmp_path, *, page_size: int = 1, host_blocks: int = 256, disk_blocks: int = 0,
-          window: int = 8, config: Optional[dict] = None) -> Hybrid:
+          window: int = 8, config: Optional[dict] = None, events: bool = False) -> Hybrid:
     """``kind``: ``swa`` (sliding-window hybrid), ``mamba`` (MHA + Mamba), ``draft`` (MHA + an EAGLE draft pool)."""
     import sglang.test.kits.unified_radix_cache.fixtures as fixtures
     from sglang.test.kits.unified_radix_cache.config import CacheConfig
@@ -95,7 +95,7 @@ def build(kind: str, tmp_path, *, page_size: int = 1, host_blocks: int = 256, di
         fixtures.TokenToKVPoolAllocator = lambda size, dtype, device, kvcache, need_sort: PagedTokenToKVPoolAllocator(
             size, page_size, dtype, device, kvcache, need_sort)
     try:
-        cache, allocator, r2t = fixtures.build_fixture(cfg)
+        cache, allocator, r2t = fixtures.build_fixture(cfg, enable_kv_cache_events=events)
     finally:
         fixtures.get_device, fixtures.TokenToKVPoolAllocator = original_device, original_allocator
     params = cache.cache_init_params

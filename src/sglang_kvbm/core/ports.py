@@ -26,6 +26,7 @@ class EventIdentity:
     parent_block_hash: Optional[int]
     cache_salt: Optional[str] = None
     lora_name: Optional[str] = None
+    bigram: bool = False  # EAGLE keys: the page's events carry (token, next token) pairs, its meta one token more
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -37,12 +37,15 @@ class SglangEventSink:
             ident = meta.event
             if ident is None:
                 continue
+            tokens = meta.token_ids
+            if ident.bigram:  # as SGLang's recorder publishes EAGLE pages: (token, next token) pairs
+                tokens = list(zip(tokens[:-1], tokens[1:]))
             self._queue.enqueue(
                 BlockStored(
                     block_hashes=[ident.block_hash],
                     parent_block_hash=ident.parent_block_hash,
-                    token_ids=list(meta.token_ids),
-                    block_size=len(meta.token_ids),
+                    token_ids=list(tokens),
+                    block_size=len(tokens),
                     lora_id=None,
                     medium=medium,
                     cache_salt=ident.cache_salt,

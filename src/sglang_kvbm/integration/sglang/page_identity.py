@@ -47,12 +47,13 @@ class EventSettings:
 class InsertContext:
     """The key of one insert into the tree, for describing the pages its offloads store."""
 
-    __slots__ = ("tokens", "extra_key", "cache_salt", "priority", "page_size", "events")
+    __slots__ = ("tokens", "extra_key", "cache_salt", "bigram", "priority", "page_size", "events")
 
     def __init__(self, key: RadixKey, priority: int, page_size: int, events: Optional[EventSettings]) -> None:
         self.tokens = array("q", key.raw_token_ids())
         self.extra_key = key.extra_key
         self.cache_salt = key.cache_salt
+        self.bigram = key.is_bigram  # EAGLE: the tree keys pages by (token, next token) pairs
         self.priority = priority
         self.page_size = page_size
         self.events = events
@@ -60,8 +61,9 @@ class InsertContext:
     def describe(self, keys: Sequence[BlockId], positions: Sequence[int]) -> list[BlockMeta]:
         """Metas of ``keys[p]`` for each ``p`` in ``positions`` (copy thread)."""
         ps = self.page_size
-        full = len(self.tokens) // ps * ps
-        key = RadixKey(self.tokens[:full], self.extra_key, cache_salt=self.cache_salt)
+        whole = RadixKey(self.tokens, self.extra_key, cache_salt=self.cache_salt, is_bigram=self.bigram)
+        full = len(whole) // ps * ps
+        key = whole[:full]
         chain = get_storage_hash_str(key, None, page_size=ps) if full else []
         try:
             start = chain.index(keys[0])
@@ -76,7 +78,7 @@ class InsertContext:
             out.append(
                 BlockMeta(
                     keys[p],
-                    tuple(self.tokens[page * ps : (page + 1) * ps]),
+                    tuple(self.tokens[page * ps : (page + 1) * ps + self.bigram]),  # bigrams: one raw token more
                     events[p] if events is not None else None,
                     chain[page - 1] if page else None,
                 )
@@ -112,7 +114,7 @@ class InsertContext:
         for event in recorder.take():
             link = event.parent_block_hash
             for block_hash in event.block_hashes:
-                identities.append(EventIdentity(block_hash, link, event.cache_salt, event.lora_name))
+                identities.append(EventIdentity(block_hash, link, event.cache_salt, event.lora_name, self.bigram))
                 link = block_hash
         if len(identities) != count:
             raise PageIdentityError(f"SGLang's recorder described {len(identities)} pages of {count}")

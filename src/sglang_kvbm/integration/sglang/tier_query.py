@@ -30,7 +30,8 @@ class TierTokens:
 
 def tier_tokens(cache, connector: KvbmConnector, token_ids, *, extra_key=None, cache_salt=None) -> TierTokens:
     ps = cache.page_size
-    key = RadixKey(array("q", token_ids), extra_key, cache_salt=cache_salt).page_aligned(ps)
+    bigram = cache is not None and cache.tree_core.is_eagle  # EAGLE: keys are (token, next token) pairs
+    key = RadixKey(array("q", token_ids), extra_key, cache_salt=cache_salt, is_bigram=bigram).page_aligned(ps)
     if len(key) == 0:
         return TierTokens(0, 0, 0)
     device = cache.tree_core.match_full_device_prefix(key)[0] // ps * ps if cache is not None else 0

@@ -50,6 +50,7 @@ class BlockHeader(msgspec.Struct, array_like=True, frozen=True):
     cache_salt: Optional[str] = None
     lora_name: Optional[str] = None
     parent_id: Optional[str] = None
+    bigram: bool = False  # EAGLE pages: token_ids holds one raw token more (see ``EventIdentity``)
 
     @classmethod
     def of(cls, meta: BlockMeta, checksum: int, fingerprint: bytes) -> "BlockHeader":
@@ -64,12 +65,13 @@ class BlockHeader(msgspec.Struct, array_like=True, frozen=True):
             None if ev is None else ev.cache_salt,
             None if ev is None else ev.lora_name,
             meta.parent_id,
+            ev is not None and ev.bigram,
         )
 
     def meta(self) -> BlockMeta:
         event = None
         if self.event_hash is not None:
-            event = EventIdentity(self.event_hash, self.event_parent, self.cache_salt, self.lora_name)
+            event = EventIdentity(self.event_hash, self.event_parent, self.cache_salt, self.lora_name, self.bigram)
         return BlockMeta(self.block_id, tuple(self.token_ids), event, self.parent_id)
 
 
