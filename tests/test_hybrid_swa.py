@@ -65,3 +65,18 @@ def _last_key(h, tokens) -> str:
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
     return get_storage_hash_str(tokens[:PAGES], None, page_size=1)[-1]
+
+
+@pytest.mark.parametrize("window, served", [(3, PAGES), (5, 0)])
+def test_a_restart_reads_the_disk_blocks_of_its_own_pool_shape_only(tmp_path, window, served):
+    """The same model restarted: its disk blocks (KV and window pages) serve; with another window, none do."""
+    tokens = prompt(1000, PAGES, 1)
+    before = build("swa", tmp_path, window=3, host_blocks=0, disk_blocks=256)
+    kv = kv_bytes(before, admit(before, tokens).slots)
+    before.settle()
+    before.linker.close()
+    after = build("swa", tmp_path, window=window, host_blocks=0, disk_blocks=256)
+    again = admit(after, tokens, compute=False)
+    assert again.loaded_tokens == served
+    if served:
+        assert equal(kv_bytes(after, again.loaded_slots), kv)

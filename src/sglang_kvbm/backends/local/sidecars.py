@@ -123,7 +123,3 @@ class SidecarStores:
     def close(self) -> None:
         for manager in self.managers.values():
             manager.close()
-
-    def counts(self) -> dict[str, dict[str, tuple[int, int]]]:
-        return {name: {c.tier.name.lower(): (c.blocks, c.capacity) for c in manager.counts()}
-                for name, manager in self.managers.items()}

@@ -101,7 +101,8 @@ def build_tiers(
         for i, ((name, pool_layout), (fingerprint, description)) in enumerate(zip(pools, identities)):
             logger.info("kvbm: disk identity %s (%s): %s", fingerprint.hex(), name, description)
             disks[i] = DiskStore(probe=found, num_slots=disk_blocks, block_bytes=pool_layout.block_bytes,
-                                 fingerprint=fingerprint, page_size=pool_layout.page_size, pin=layout.is_cuda)
+                                 fingerprint=fingerprint, page_size=pool_layout.page_size, pin=layout.is_cuda,
+                                 siblings=tuple(f for f, _ in identities if f != fingerprint))
         policy = OnboardPolicy(bytes_per_token=disks[0].slot_bytes / layout.page_size)
         policy.read.record(4 << 20, (4 << 20) / found.read_bytes_per_s)  # seeded by the probe, refined by real reads
     managers = []

@@ -24,13 +24,18 @@ if TYPE_CHECKING:
 def stats_of(linker: "KvbmLinker") -> dict:
     """What ``/stats`` carries besides the connector's counters (scheduler thread, once per publish)."""
     manager = linker.manager
+    sidecars = linker.sidecars.managers
     extra = {
         "local": manager.stats.__dict__.copy(),
-        "in_flight": len(manager.in_flight()),
+        "in_flight": len(manager.in_flight()) + sum(len(m.in_flight()) for m in sidecars.values()),
         "events": {"held": linker.orderer.held(), "held_total": linker.orderer.held_total, "dropped": linker.orderer.dropped},
         "offloads_refused_outside_insert": linker.offloads_refused_outside_insert,
         "block_bytes": {"host": linker.layout.block_bytes, "disk": manager.disk.slot_bytes if manager.disk else 0},
     }
+    if sidecars:  # hybrid models: each sidecar pool's tiers (sliding-window pages, Mamba states), by pool
+        extra["sidecars"] = {name: {"tiers": {c.tier.name.lower(): (c.blocks, c.capacity) for c in m.counts()},
+                                    "block_bytes": m.layout.block_bytes, "local": m.stats.__dict__.copy()}
+                             for name, m in sidecars.items()}
     if manager.host is not None:
         extra["host"] = manager.host.accounting()
     if manager.disk is not None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Optional
 
 from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
@@ -158,7 +157,3 @@ def _mamba_layout(params, num_layers: int) -> PagedKvLayout:
         layers[global_id - r2t.start_layer] = tuple(range(len(buffers), len(buffers) + len(states)))
         buffers += [state[index] for state in states]
     return PagedKvLayout(buffers, 1, 1, layers)
-
-
-def pool_names(group: Optional[PoolGroup]) -> tuple[str, ...]:
-    return ("kv",) + tuple(s.name for s in group.sidecars) if group is not None else ("kv",)

@@ -65,8 +65,9 @@ def weights_replaced(linker: Any, how: str) -> None:
         logger.info("kvbm: weights replaced (%s): host and disk tiers dropped", how)
         return
     old = disk.fingerprint
-    disk.rekey(rekeyed(old, how))
-    _private.add(disk)
+    for store in [disk] + [m.disk for m in linker.sidecars.managers.values()]:  # hybrid models: every pool's
+        store.rekey(rekeyed(store.fingerprint, how))
+        _private.add(store)
     logger.warning(
         "kvbm: weights replaced (%s): host and disk tiers dropped; the disk tier moved from identity %s to %s "
         "(%s), which no server started from the model files reads: a restart starts it cold",

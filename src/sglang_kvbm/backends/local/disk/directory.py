@@ -4,7 +4,8 @@
 segment files and index. A server restarted with the same identity finds its
 directory again (a warm start); a second live server with the same identity
 gets a private directory and starts cold; directories of other identities that
-no live server holds are removed at start-up. A server whose weights are
+no live server holds are removed at start-up (except the ``keep`` identities the
+same server claims next: a hybrid model's sidecar pools have disk tiers of their own). A server whose weights are
 replaced in memory renames its directory to a new identity (:func:`move`). Everything is created 0700 / 0600,
 and a directory others can write is refused.
 """
@@ -42,8 +43,9 @@ def _open_lock(directory: Path) -> IO:
     return os.fdopen(os.open(directory / "lock", os.O_RDWR | os.O_CREAT, 0o600), "r+")
 
 
-def claim(root: Path, fingerprint: bytes) -> tuple[Path, IO, bool]:
-    """This identity's directory, locked for this process, and whether it is a warm start."""
+def claim(root: Path, fingerprint: bytes, keep: tuple[bytes, ...] = ()) -> tuple[Path, IO, bool]:
+    """This identity's directory, locked for this process, and whether it is a warm start (``keep``: other
+    identities of this server, not reclaimed)."""
     path = identity_dir(root, fingerprint)
     path.mkdir(mode=0o700, exist_ok=True)
     stat = path.stat()
@@ -68,14 +70,14 @@ def claim(root: Path, fingerprint: bytes) -> tuple[Path, IO, bool]:
         lock = _open_lock(path)
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         warm = False
-    reclaim_stale(root, keep=path)
+    reclaim_stale(root, keep={path, *(identity_dir(root, f) for f in keep)})
     return path, lock, warm
 
 
-def reclaim_stale(root: Path, keep: Path) -> None:
+def reclaim_stale(root: Path, keep: set[Path]) -> None:
     """Remove directories of other identities that no live server holds."""
     for other in root.glob(DIR_PREFIX + "*"):
-        if other != keep:
+        if other not in keep:
             _reclaim(other)
 
 

@@ -57,9 +57,10 @@ class DiskStore:
 
     def __init__(
         self, *, probe: DiskProbe, num_slots: int, block_bytes: int, fingerprint: bytes, page_size: int,
-        pin: bool = False,
+        pin: bool = False, siblings: tuple[bytes, ...] = (),
     ) -> None:
-        """``pin``: page-lock the staging device -> disk copies land in (CUDA: else a synchronous pageable copy)."""
+        """``pin``: page-lock the staging device -> disk copies land in (CUDA: else a synchronous pageable copy);
+        ``siblings``: the identities of this server's other disk stores (hybrid models' sidecar pools)."""
         if num_slots <= 0:
             raise ValueError(f"num_slots must be positive, got {num_slots}")
         self.block_bytes = block_bytes
@@ -70,7 +71,7 @@ class DiskStore:
         self.o_direct = probe.o_direct
         self.stats = DiskStats()
         self.io = NixlFileIO("sglang-kvbm-disk")
-        self.directory, self._lock_file, warm = identity_dir.claim(probe.directory, fingerprint)
+        self.directory, self._lock_file, warm = identity_dir.claim(probe.directory, fingerprint, siblings)
         self.segments = SegmentFiles(
             self.directory, num_slots, self.slot_bytes, o_direct=probe.o_direct, preallocate=probe.preallocate, io=self.io
         )
