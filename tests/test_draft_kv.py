@@ -2,7 +2,7 @@
 
 In process on SGLang's own MHA pool, allocator and default tree (EAGLE's bigram
 keys on) with an EAGLE draft runner's pool beside it, handed to the tree as
-``CacheInitParams.sidecar_draft_device_pools`` as SGLang does (``hybrid_kit``).
+``CacheInitParams.sidecar_draft_device_pools`` as SGLang does (``sglang_kvbm.testing.hybrid``).
 The draft's page shares the target's token slot, so it is stored in the same
 block and verified by the same checksum: a request never gets target KV
 without its draft KV.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybrid_kit import admit, build, equal, kv_bytes
+from sglang_kvbm.testing.hybrid import admit, build, equal, kv_bytes
 from test_disk_tier import data_offset, flip_bit, segment_path
 
 PAGES = 6

@@ -2,7 +2,7 @@
 
 Proven in process on SGLang's own ``HybridLinearKVPool`` (MHA full layers,
 which SGLang's own ``resolve_hybrid_device_pool_group`` refuses) with its
-``MambaPool``, allocator and default tree on CPU (``hybrid_kit``). A real
+``MambaPool``, allocator and default tree on CPU (``sglang_kvbm.testing.hybrid``). A real
 server cannot be trusted here: a tiny ``Qwen3NextForCausalLM`` builds a
 CUDA-only norm on CPU (``models/qwen3_next.py`` ``FusedRMSNormGated``).
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybrid_kit import admit, build, equal, kv_bytes, mamba_bytes
+from sglang_kvbm.testing.hybrid import admit, build, equal, kv_bytes, mamba_bytes
 
 PAGES = 6
 

@@ -1,7 +1,7 @@
 """Dynamo's real indexer, fed a hybrid worker's KV events, predicts the hit each tier then serves.
 
 The worker is SGLang's own hybrid pools and default tree with the kvbm linker
-(``hybrid_kit``, in process: see ``test_hybrid_swa`` / ``test_hybrid_mamba`` for
+(``sglang_kvbm.testing.hybrid``, in process: see ``test_hybrid_swa`` / ``test_hybrid_mamba`` for
 why no real server); its events (the tree's ``GPU`` ones and the tiers'
 ``CPU_PINNED``/``DISK`` ones, as one stream) go out through SGLang's own ZMQ
 publisher to ``python -m dynamo.indexer``. The prediction is for the prompts the
@@ -17,7 +17,7 @@ import time
 import pytest
 from sglang.srt.disaggregation.kv_events import KVEventBatch, ZmqEventPublisher
 
-from hybrid_kit import admit, build
+from sglang_kvbm.testing.hybrid import admit, build
 from sglang_kvbm.testing.indexer import DynamoIndexer
 from sglang_kvbm.testing.server import free_port
 

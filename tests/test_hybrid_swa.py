@@ -1,7 +1,7 @@
 """Sliding-window hybrids (GPT-OSS, Gemma 3/4, Llama 4, MiMo): full-attention pages and the window's SWA pages.
 
 Proven in process on SGLang's own ``SWAKVPool``, its allocator and default tree
-on CPU (``hybrid_kit``): SGLang 0.5.23 refuses ``torch_native`` attention for
+on CPU (``sglang_kvbm.testing.hybrid``): SGLang 0.5.23 refuses ``torch_native`` attention for
 these models at argument resolution (``arg_groups/model_hook.py``), and with
 that check patched out stock SGLang disagrees with itself on CPU (DESIGN §3b),
 so a real-server comparison would prove nothing.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybrid_kit import admit, build, equal, kv_bytes, swa_bytes
+from sglang_kvbm.testing.hybrid import admit, build, equal, kv_bytes, swa_bytes
 from test_disk_tier import data_offset, flip_bit, segment_path
 
 PAGES = 6

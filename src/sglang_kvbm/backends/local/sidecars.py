@@ -67,19 +67,39 @@ class SidecarStores:
 
     # -- lookups and loads ---------------------------------------------------------------
 
-    def restorable(self, block_ids: Sequence[BlockId], hit: int) -> list[int]:
-        """The boundaries (in pages, 1..``hit``) every sidecar can restore; starts reading the best one's disk blocks."""
-        ok = [True] * hit
-        for name, manager in self.managers.items():
-            window = self.windows[name]
-            present = manager.servable(block_ids[:hit])
-            runs = itertools.accumulate(present, lambda run, held: run + 1 if held else 0, initial=0)
-            ok = [was and run >= min(p, window) for p, (was, run) in enumerate(zip(ok, itertools.islice(runs, 1, None)), 1)]
-        lengths = [p for p, good in enumerate(ok, 1) if good]
+    def restorable(self, block_ids: Sequence[BlockId], hit: int, *, every: bool = False) -> list[int]:
+        """The boundaries (in pages, 1..``hit``) every sidecar can restore: the longest only, or ``every`` one
+        (ranks that intersect their answers); starts reading the longest one's disk blocks."""
+        if every:
+            ok = [True] * hit
+            for name, manager in self.managers.items():
+                window = self.windows[name]
+                runs = itertools.accumulate(manager.servable(block_ids[:hit]), lambda run, held: run + 1 if held else 0)
+                ok = [was and run >= min(p, window) for p, (was, run) in enumerate(zip(ok, runs), 1)]
+            lengths = [p for p, good in enumerate(ok, 1) if good]
+        else:
+            lengths = self._longest(block_ids, hit)
         if lengths:
             for name, ids in self.parts(block_ids, lengths[-1]).items():
                 self.managers[name].lookup(ids)  # keeps them warm, and reads disk-only ones into staging now
         return lengths
+
+    def _longest(self, block_ids: Sequence[BlockId], hit: int) -> list[int]:
+        """The longest restorable boundary, checking each sidecar's window back from ``hit`` (usually one window)."""
+        p = hit
+        while p > 0:
+            for name, manager in self.managers.items():
+                window = block_ids[max(0, p - self.windows[name]) : p]
+                held = manager.servable(window)
+                if not all(held):  # the next candidate ends before the last block missing here
+                    p = max(0, p - self.windows[name]) + len(held) - 1 - held[::-1].index(False)
+                    if self.windows[name] == 1 and p:  # one state per boundary: find the last one in one call
+                        held = manager.servable(block_ids[:p])
+                        p = len(held) - held[::-1].index(True) if any(held) else 0
+                    break
+            else:
+                return [p]
+        return []
 
     def parts(self, block_ids: Sequence[BlockId], pages: int) -> dict[str, Sequence[BlockId]]:
         """The blocks each sidecar loads for a boundary of ``pages`` pages."""

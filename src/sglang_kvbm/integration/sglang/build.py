@@ -111,7 +111,7 @@ def build_tiers(
         managers.append(LocalBlockManager(
             pool_layout, host_blocks, pin=layout.is_cuda, disk=disk,
             offload_filter=None if disk is None or config.disable_disk_offload_filter else FrequencyFilter(),
-            policy=policy if kv else None, observer=observer if kv else None,
+            policy=policy, observer=observer if kv else None,  # one disk, one read meter: sidecars wait by it too
             executor=offload_executor if kv else None, writer=disk_writer if kv else None,
             reader=disk_reader if kv else None,
         ))

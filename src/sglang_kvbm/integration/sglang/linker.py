@@ -123,7 +123,7 @@ class KvbmLinker(UnifiedCacheLinker):
         keys = kv_transfer(transfers).keys or []
         hit = self.connector.lookup(rid, keys)
         if self.sidecars:  # hybrid: only boundaries whose window pages / state the sidecar tiers hold too
-            return self.sidecars.restorable(keys, hit) if hit else []
+            return self.sidecars.restorable(keys, hit, every=self.setup.ranks_agreeing > 1) if hit else []
         return restorable_lengths(hit, self.setup.ranks_agreeing > 1)
 
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:

@@ -12,8 +12,10 @@ against what was stored.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
+import time
 from array import array
 from typing import Optional
 
@@ -72,19 +74,24 @@ class Hybrid:
 
 
 def build(kind: str, tmp_path, *, page_size: int = 1, host_blocks: int = 256, disk_blocks: int = 0,
-          window: int = 8, config: Optional[dict] = None, events: bool = False) -> Hybrid:
-    """``kind``: ``swa`` (sliding-window hybrid), ``mamba`` (MHA + Mamba), ``draft`` (MHA + an EAGLE draft pool)."""
+          window: int = 8, config: Optional[dict] = None, events: bool = False, requests: int = 10) -> Hybrid:
+    """``kind``: ``swa`` (sliding-window hybrid), ``mamba`` (MHA + Mamba), ``draft`` (MHA + an EAGLE draft pool),
+    ``dense`` (MHA alone, four layers like the hybrids: the baseline of ``benchmarks/hybrid_path.py``)."""
     import sglang.test.kits.unified_radix_cache.fixtures as fixtures
     from sglang.test.kits.unified_radix_cache.config import CacheConfig
 
-    common = dict(page_size=page_size, kv_size=512, max_context_len=512, head_num=2, head_dim=8, dtype=torch.float32)
+    # ``requests``: how many requests the pools have room for (admit leaves what it loaded without computing held)
+    common = dict(page_size=page_size, kv_size=max(512, 128 * requests), max_context_len=512, head_num=2, head_dim=8,
+                  dtype=torch.float32, max_num_reqs=requests)
     if kind == "swa":
         cfg = CacheConfig(components=(ComponentType.FULL, ComponentType.SWA), sliding_window_size=window,
                           num_layers=4, full_attention_layer_ids=(1, 3), **common)
     elif kind == "mamba":
         cfg = CacheConfig(components=(ComponentType.FULL, ComponentType.MAMBA), num_layers=4,
-                          full_attention_layer_ids=(1, 3), mamba_cache_size=24,
+                          full_attention_layer_ids=(1, 3), mamba_cache_size=max(24, 3 * requests),
                           enable_mamba_extra_buffer=page_size > 1, **common)
+    elif kind == "dense":
+        cfg = CacheConfig(components=(ComponentType.FULL,), num_layers=4, **common)
     elif kind == "draft":
         cfg = CacheConfig(components=(ComponentType.FULL,), num_layers=2, is_eagle=True, **common)
     else:
@@ -191,15 +198,19 @@ class Admitted:
     mamba_slot: Optional[torch.Tensor] = None
 
 
-def admit(h: Hybrid, tokens: list[int], *, compute: bool = True) -> Admitted:
+def admit(h: Hybrid, tokens: list[int], *, compute: bool = True, timings: Optional[dict] = None) -> Admitted:
+    """``timings``: seconds spent in the cache calls, added up by step (``match``, ``load``: init_load_back and
+    the start of the layer-wise load, ``wait``: finishing it, ``insert``)."""
     cache, page = h.cache, h.page_size
+    clock = _Clock(timings)
     cache.check_hicache_events()
     req = Req(rid=f"r{next(_rids)}", origin_input_text="", origin_input_ids=array("q", tokens),
               sampling_params=SamplingParams(temperature=0, max_new_tokens=1))
     h.r2t.alloc([req])
     usable = (len(tokens) - 1) // page * page
     key = RadixKey(array("q", tokens[:usable]))
-    match = cache.match_prefix(MatchPrefixParams(key=key, req=req))
+    with clock("match"):
+        match = cache.match_prefix(MatchPrefixParams(key=key, req=req))
     req.prefix_len, req.last_node = match.device_prefix_len, match.last_device_node
     req.host_hit_length = match.host_hit_length
     req.swa_host_hit_length, req.mamba_host_hit_length = match.swa_host_hit_length, match.mamba_host_hit_length
@@ -207,12 +218,15 @@ def admit(h: Hybrid, tokens: list[int], *, compute: bool = True) -> Admitted:
     lock = cache.inc_lock_ref(match.last_device_node).to_dec_params()
     loaded, loaded_slots, failed = 0, None, []
     if match.host_hit_length > 0:
-        loaded, _ = cache.init_load_back(InitLoadBackParams(best_match_node=match.best_match_node,
-                                                            host_hit_length=match.host_hit_length, req=req))
+        with clock("load"):
+            loaded, _ = cache.init_load_back(InitLoadBackParams(best_match_node=match.best_match_node,
+                                                                host_hit_length=match.host_hit_length, req=req))
+            if loaded:
+                cache.ready_to_load_host_cache()
         if loaded:
             loaded_slots = cache.linker.private_load_indices[req.rid].clone()
-            cache.ready_to_load_host_cache()
-            failed = cache.finish_external_linker_loads([req])
+            with clock("wait"):
+                failed = cache.finish_external_linker_loads([req])
     result = Admitted(device, match.host_hit_length, loaded, bool(failed), loaded_slots=loaded_slots)
     if h.kind == "mamba" and req.kv is not None and req.kv.holds_mamba:
         result.mamba_slot = req.kv.mamba_pool_idx.reshape(1).clone()
@@ -237,7 +251,22 @@ def admit(h: Hybrid, tokens: list[int], *, compute: bool = True) -> Admitted:
         result.mamba_slot = slot.clone()
     if h.kind == "swa":
         params.set_evicted_seqlen(ComponentType.SWA, req.kv.get_evicted_seqlen(ComponentType.SWA))
-    cache.insert(params)
+    with clock("insert"):
+        cache.insert(params)
     result.slots = values
     cache.dec_lock_ref(match.last_device_node, lock)
     return result
+
+
+class _Clock:
+    def __init__(self, into: Optional[dict]) -> None:
+        self.into = into
+
+    @contextlib.contextmanager
+    def __call__(self, step: str):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.into is not None:
+                self.into[step] = self.into.get(step, 0.0) + time.perf_counter() - started
