@@ -119,11 +119,11 @@ def build_tiers(
     sidecars = SidecarStores({s.name: (m, s.window) for s, m in zip(group.sidecars, managers[1:])})
     disk = manager.disk
     logger.info(
-        "kvbm: local backend, page %d tokens, block %d bytes (%s; %d layers); host tier %d blocks (%.2f GiB%s); "
-        "disk tier %s",
+        "kvbm: local backend, page %d tokens, block %d bytes (%s; %d layers; `sglang-kvbm doctor --block-bytes %d "
+        "--page-size %d` checks the room for it); host tier %d blocks (%.2f GiB%s); disk tier %s",
         params.page_size, row_bytes, ", ".join(f"{name} {each.block_bytes} bytes in {len(each.buffer_page_bytes)} buffers"
                                                for name, each in zip(("kv", *(s.name for s in group.sidecars)), layouts)),
-        layout.num_layers, host_blocks, host_blocks * row_bytes / GIB, ", pinned" if layout.is_cuda else "",
+        layout.num_layers, row_bytes, params.page_size, host_blocks, host_blocks * row_bytes / GIB, ", pinned" if layout.is_cuda else "",
         "off" if disk is None else f"{disk_blocks} blocks ({disk_blocks * sum(m.disk.slot_bytes for m in managers) / GIB:.2f} "
         f"GiB) in {config.disk_cache_dir}, offload filter {'off' if config.disable_disk_offload_filter else 'on'}",
     )
