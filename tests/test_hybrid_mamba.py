@@ -82,3 +82,20 @@ def test_no_state_at_a_boundary_means_no_hit_there(tmp_path):
     h.evict_device()
     inside = admit(h, a[:4] + [9, 9, 9], compute=False)  # pages 0..3 are in the tiers, but no state at 4 (or before)
     assert inside.loaded_tokens == 0
+
+
+def test_a_corrupt_state_on_disk_misses_the_whole_load(tmp_path):
+    """The Mamba state of the boundary fails its checksum: no page is served without it, and it is dropped."""
+    from test_disk_tier import data_offset, flip_bit, segment_path
+
+    h = build("mamba", tmp_path, host_blocks=0, disk_blocks=256)
+    tokens = prompt(1000, PAGES)
+    admit(h, tokens)
+    h.evict_device()
+    disk = h.linker.sidecars.managers["mamba"].disk
+    (state,) = [m.block_id for m in disk.registered_metas()]
+    flip_bit(segment_path(disk, state), data_offset(disk, state) + 11)
+    missed = admit(h, tokens, compute=False)
+    assert missed.tier_tokens == PAGES and missed.loaded_tokens == 0
+    assert h.linker.connector.stats.onboard_blocks_d2d == 0 and len(disk) == 0
+    assert admit(h, tokens, compute=False).tier_tokens == 0  # no state anywhere: nothing restorable now

@@ -124,3 +124,25 @@ def test_under_dynamo_a_non_wildcard_events_host_is_warned_about(endpoint, warne
     assert ("subscribe at this machine's IP" in caplog.text) is warned
     if warned:
         assert "tcp://*:5557" in caplog.text and "SGLANG_HOST_IP=127.0.0.1" in caplog.text
+
+
+def test_what_the_seam_cannot_carry_is_refused_with_the_reason(tmp_path):
+    """A sliding-window hybrid's draft pools (split into full and window slots) and hybrids under context
+    parallelism: refused at start-up, naming what to change."""
+    import dataclasses
+
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from sglang_kvbm.integration.sglang.kv_pool import UnsupportedPoolError
+    from sglang_kvbm.integration.sglang.pool_group import describe_pools
+    from sglang_kvbm.testing.hybrid import build
+
+    h = build("swa", tmp_path)
+    params = h.cache.cache_init_params
+    draft = MHATokenToKVPool(512, 1, torch.float32, 2, 8, 1, "cpu", False)
+    components = set(h.cache.components)
+    with pytest.raises(UnsupportedPoolError, match="draft KV of a sliding-window hybrid"):
+        describe_pools(dataclasses.replace(params, sidecar_draft_device_pools=(draft,)), components)
+    with pytest.raises(UnsupportedPoolError, match="context parallelism"):
+        describe_pools(dataclasses.replace(params, attn_cp_size=2), components)
+    assert [s.name for s in describe_pools(params, components).sidecars] == ["swa"]
