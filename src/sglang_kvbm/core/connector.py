@@ -148,6 +148,13 @@ class KvbmConnector:
         else:
             self.stats.failed_loads += 1
 
+    def refuse(self, plan: LoadPlan, why: str) -> None:
+        """A pinned load that cannot run after all (a hybrid model's other pools missed): unpin, count a failed load."""
+        self._manager.release(plan, reused=False)
+        self.stats.failed_loads += 1
+        logger.info("kvbm: load of %d blocks refused (%s); the request recomputes them",
+                    plan.host_blocks + plan.disk_blocks, why)
+
     def cancel(self, plan: LoadPlan) -> None:
         """A load that will not run (its request went away, or the cache was reset): unpin, count nothing."""
         self._manager.release(plan, reused=False)

@@ -135,7 +135,7 @@ class KvbmLinker(UnifiedCacheLinker):
                 wanted = sidecar_loads(transfers, self.sidecars.managers)
                 side = self.sidecars.acquire({n: t.keys for n, t in wanted.items()}) if wanted is not None else None
                 if side is None:
-                    self.connector.cancel(plan)
+                    self.connector.refuse(plan, "a sliding-window page or Mamba state it needs is not held")
                     plan = None
         finally:  # also when acquire raised: the other ranks are in the reduction already
             if self.setup.ranks_agreeing > 1 and not self._all_ranks_agree(plan is not None):
