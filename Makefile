@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 DYNAMO_VENV := .venv-dynamo
 DYNAMO_STAMP := $(DYNAMO_VENV)/.installed
 
-.PHONY: demo test test-fast bench gpu-check clean
+.PHONY: demo test test-fast bench gpu-check clean system-deps
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,11 +30,21 @@ $(DYNAMO_STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/sglang-kvbm demo
 
-test: $(STAMP) $(DYNAMO_STAMP)
+test: system-deps $(STAMP) $(DYNAMO_STAMP)
 	$(VENV)/bin/python -m pytest -q -ra tests
 
+# Mooncake (the shared tier's tests start a real mooncake_master) needs libibverbs1, over TCP too.
+system-deps:
+	@ldconfig -p | grep -q 'libibverbs\.so\.1' || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1; \
+	  else \
+	    echo "Mooncake needs the system library libibverbs1: run  sudo apt-get install -y libibverbs1  (or your distribution's rdma-core), then make test again" >&2; \
+	    exit 1; \
+	  fi; }
+
 # Without the tests that start real SGLang servers (a few seconds instead of minutes).
-test-fast: $(STAMP)
+test-fast: system-deps $(STAMP)
 	$(VENV)/bin/python -m pytest -q -ra -m "not server" tests
 
 # All benchmarks with their small CPU defaults (see benchmarks/README.md); about 25 minutes.

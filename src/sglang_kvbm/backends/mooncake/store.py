@@ -1,0 +1,207 @@
+"""G4: blocks in a Mooncake Store that every worker of a fleet reads and writes.
+
+One object per block, named as SGLang's HiCache names its L3 pages on Mooncake
+(``mem_cache/storage/mooncake_store/mooncake_store.py``: ``{tag}_{model}_{page
+hash}_{tp rank}_k``), so the names Dynamo's router derives from request tokens
+(``--shared-cache-type hicache``) are ours too. The tag carries the server's
+identity (the disk tier's fingerprint: model, weights, KV dtype and layout, pool
+shape, rank), so a server of another identity never reads these objects; a
+namespaced page (``cache_salt``, LoRA) has a namespaced hash already.
+
+An object is the disk tier's slot, byte for byte: a header row (``disk.format``:
+block id, identity, xxh3 of the block, token ids, event identity) then the
+block row. Both go out from registered host memory without a copy
+(``batch_put_from_multi_buffers``) and come back the same way into staging rows,
+where the header and checksum are verified before any byte may reach the
+device: a missing, evicted, foreign or damaged object is a miss.
+
+Mooncake's calls block and answer with error codes, never exceptions; with the
+master gone each one takes ~4.5 s to fail. So every call runs on the caller's
+worker thread (never the scheduler's), and the first RPC failure marks the
+store down for ``retry_s``: calls in that window answer "miss" at once.
+
+Not Mooncake's own ``MooncakeStore`` (SGLang's ``HiCacheStorage``): it moves
+bytes only to and from SGLang's host KV pool, in raw pages without a header,
+so nothing it reads could be verified. Stock HiCache workers and this library
+therefore do not read each other's objects (the names match, the tags differ).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from sglang_kvbm.backends.local.disk.format import (
+    BlockHeader,
+    HeaderTooLarge,
+    checksum,
+    decode_header,
+    encode_header,
+    header_bytes_for,
+)
+from sglang_kvbm.core.identity import BlockId
+from sglang_kvbm.core.ports import BlockMeta
+
+logger = logging.getLogger(__name__)
+
+RPC_FAIL = -900  # the master did not answer (Mooncake's ErrorCode::RPC_FAIL)
+
+
+@dataclasses.dataclass(frozen=True)
+class G4Settings:
+    master: str  # host:port of mooncake_master's RPC
+    metadata: str  # the metadata server's URL (the master's own, with --enable_http_metadata_server)
+    protocol: str = "tcp"
+    segment_bytes: int = 0  # memory this worker lends the store (0: a standalone store process lends it)
+    local_buffer_bytes: int = 16 << 20
+    hostname: str = "127.0.0.1"  # what this client advertises to the others
+
+
+def key_prefix(tag: str, model_name: str) -> str:
+    """SGLang's ``MooncakeStore`` key prefix: its ``extra_backend_tag`` and the served model name."""
+    return "_".join(part for part in (tag, model_name.replace("/", "-")) if part)
+
+
+class G4Store:
+    def __init__(
+        self, settings: G4Settings, *, fingerprint: bytes, model_name: str, tp_rank: int, page_size: int,
+        block_bytes: int, retry_s: float = 5.0, client: Optional[Callable[[], object]] = None,
+    ) -> None:
+        self.settings = settings
+        self.fingerprint = fingerprint
+        self.prefix = key_prefix("kvbm-" + fingerprint.hex()[:16], model_name)
+        self.tp_rank = tp_rank
+        self.header_bytes = header_bytes_for(page_size)
+        self.block_bytes = block_bytes
+        self.retry_s = retry_s
+        self._client_factory = client
+        self._client = None
+        self._down_until = 0.0
+        self._lock = threading.Lock()  # one call at a time (register, reads, writes come from different threads)
+        self.stats = {"written": 0, "read": 0, "misses": 0, "rejected": 0, "down": 0}
+
+    def key(self, block_id: BlockId) -> str:
+        return f"{self.prefix}_{block_id}_{self.tp_rank}_k"
+
+    # -- connection -------------------------------------------------------------------------
+
+    def connect(self) -> bool:
+        """Join the store; False (logged, retried by later calls) when the master does not answer."""
+        if self._client is not None:
+            return True
+        if self._client_factory is not None:
+            client = self._client_factory()
+        else:
+            from mooncake.store import MooncakeDistributedStore
+
+            client = MooncakeDistributedStore()
+        s = self.settings
+        rc = client.setup(s.hostname, s.metadata, s.segment_bytes, s.local_buffer_bytes, s.protocol, "", s.master)
+        if rc != 0:
+            self._fail(f"setup returned {rc} (master {s.master}, metadata {s.metadata})")
+            return False
+        self._client = client
+        logger.info("kvbm: G4 joined Mooncake master %s as %s (lends %d bytes, objects %s_<page>_%d_k)",
+                    s.master, client.get_hostname(), s.segment_bytes, self.prefix, self.tp_rank)
+        return True
+
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self._down_until and (self._client is not None or self.connect())
+
+    def _fail(self, why: str) -> None:
+        if time.monotonic() >= self._down_until:
+            logger.warning("kvbm: G4 (Mooncake) unavailable: %s; its blocks are misses for the next %.0f s",
+                           why, self.retry_s)
+            self.stats["down"] += 1
+        self._down_until = time.monotonic() + self.retry_s
+
+    def register(self, tensor: torch.Tensor) -> None:
+        """Let Mooncake move bytes to and from ``tensor`` without a copy (host slabs, staging)."""
+        if not self.available:
+            raise ConnectionError("G4 is not connected")
+        rc = self._client.register_buffer(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        if rc != 0:
+            raise RuntimeError(f"Mooncake register_buffer returned {rc}")
+
+    def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+    # -- blocks (a worker thread: each call may block for seconds when the master is lost) -------------
+
+    def contains(self, block_ids: Sequence[BlockId]) -> list[bool]:
+        if not block_ids or not self.available:
+            return [False] * len(block_ids)
+        with self._lock:
+            found = self._client.batch_is_exist([self.key(b) for b in block_ids])
+        if any(f == RPC_FAIL for f in found):
+            self._fail("the master did not answer a lookup")
+            return [False] * len(block_ids)
+        return [f == 1 for f in found]
+
+    def write(self, metas: Sequence[BlockMeta], rows: Sequence[torch.Tensor], headers: Sequence[torch.Tensor]) -> list[bool]:
+        """Put each block (its header into ``headers[i]``, then ``rows[i]``); an object already there is kept."""
+        if not metas or not self.available:
+            return [False] * len(metas)
+        sent, ptrs = [], []  # indices of the blocks whose header fits, and their buffers
+        for i, (meta, row, header) in enumerate(zip(metas, rows, headers)):
+            try:
+                encode_header(BlockHeader.of(meta, checksum(row), self.fingerprint), header)
+            except HeaderTooLarge:  # logged by nobody else: this block is simply not shared
+                continue
+            sent.append(i)
+            ptrs.append([header.data_ptr(), row.data_ptr()])
+        keys = [self.key(metas[i].block_id) for i in sent]
+        with self._lock:
+            results = self._client.batch_put_from_multi_buffers(
+                keys, ptrs, [[self.header_bytes, self.block_bytes]] * len(keys)) if keys else []
+        if any(r == RPC_FAIL for r in results):
+            self._fail("the master did not answer a write")
+        ok = [False] * len(metas)
+        for i, result in zip(sent, results):
+            ok[i] = result == 0
+        self.stats["written"] += sum(ok)
+        return ok
+
+    def read(self, block_ids: Sequence[BlockId], rows: Sequence[torch.Tensor], headers: Sequence[torch.Tensor]
+             ) -> list[Optional[BlockMeta]]:
+        """Get each block into ``rows[i]`` (its header into ``headers[i]``) and verify it: its meta, or None (a miss)."""
+        if not block_ids or not self.available:
+            return [None] * len(block_ids)
+        keys = [self.key(b) for b in block_ids]
+        ptrs = [[h.data_ptr(), r.data_ptr()] for h, r in zip(headers, rows)]
+        sizes = [[self.header_bytes, self.block_bytes]] * len(keys)
+        with self._lock:
+            got = self._client.batch_get_into_multi_buffers(keys, ptrs, sizes)
+        if any(g == RPC_FAIL for g in got):
+            self._fail("the master did not answer a read")
+        out: list[Optional[BlockMeta]] = []
+        for block_id, n, row, header in zip(block_ids, got, rows, headers):
+            meta = self._verify(block_id, n, row, header)
+            out.append(meta)
+            self.stats["read" if meta is not None else "misses"] += 1
+        return out
+
+    def _verify(self, block_id: BlockId, n: int, row: torch.Tensor, header_row: torch.Tensor) -> Optional[BlockMeta]:
+        if n < 0:
+            return None  # not there (evicted, never written, its lender gone): a plain miss
+        header = decode_header(header_row) if n == self.header_bytes + self.block_bytes else None
+        reason = None
+        if header is None:
+            reason = f"not a block object ({n} bytes)"
+        elif header.fingerprint != self.fingerprint or header.block_id != block_id:
+            reason = "another server's or another block's object"
+        elif header.checksum != checksum(row):
+            reason = "checksum mismatch"
+        if reason is not None:
+            self.stats["rejected"] += 1
+            logger.warning("kvbm: G4 object %s rejected (%s); the request recomputes it", self.key(block_id), reason)
+            return None
+        return header.meta()

@@ -1,0 +1,122 @@
+"""A real Mooncake Store on 127.0.0.1 for tests: ``mooncake_master`` and a standalone memory lender.
+
+``mooncake-transfer-engine-non-cuda`` (the ``mooncake`` extra) ships both
+binaries; they need the system library ``libibverbs1``. The master keeps every
+object's metadata in its memory (a restart forgets them all); objects live in
+the segments clients lend, so the lender here (``mooncake_client``, Mooncake's
+standalone "real client") keeps them when a worker leaves. Known leaks past
+127.0.0.1 (Mooncake 0.3.13): the master's HTTP metadata server and every
+client's transfer ports listen on all addresses; ``MC_TCP_BIND_ADDRESS`` only
+makes clients advertise 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Optional
+
+import requests
+
+from sglang_kvbm.testing.server import free_port, stop_group
+
+
+def binary(name: str) -> Path:
+    import mooncake
+
+    path = Path(mooncake.__file__).parent / name
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: install the mooncake extra (pip install 'sglang-kvbm[mooncake]')")
+    return path
+
+
+class MooncakeCluster:
+    """A master (with its HTTP metadata server) and, unless ``lend`` is 0, one memory lender."""
+
+    def __init__(self, log_dir: Path, *, lend: str = "256MB") -> None:
+        self.log_dir = Path(log_dir)
+        self.rpc_port, self.metadata_port, self.admin_port = free_port(), free_port(), free_port()
+        self.lend = lend
+        self.master: Optional[subprocess.Popen] = None
+        self.lender: Optional[subprocess.Popen] = None
+
+    @property
+    def master_address(self) -> str:
+        return f"127.0.0.1:{self.rpc_port}"
+
+    @property
+    def metadata_url(self) -> str:
+        return f"http://127.0.0.1:{self.metadata_port}/metadata"
+
+    def _spawn(self, args: list, name: str) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "ab")
+        env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+        try:
+            return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        finally:
+            log.close()
+
+    def start_master(self, timeout: float = 30.0) -> None:
+        self.master = self._spawn([
+            str(binary("mooncake_master")), f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
+            "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+            f"--http_metadata_server_port={self.metadata_port}", "--metrics_host=127.0.0.1",
+            f"--metrics_port={self.admin_port}", "--enable_metric_reporting=false",
+        ], "master")
+        self._wait(lambda: requests.get(f"http://127.0.0.1:{self.admin_port}/health", timeout=1).ok, timeout, "master")
+
+    def start_lender(self, timeout: float = 30.0) -> None:
+        self.lender = self._spawn([
+            str(binary("mooncake_client")), "--host=127.0.0.1", f"--port={free_port()}",
+            f"--global_segment_size={self.lend}", f"--master_server_address={self.master_address}",
+            f"--metadata_server={self.metadata_url}", "--protocol=tcp",
+        ], "lender")
+        self._wait(lambda: self.capacity() > 0, timeout, "lender")
+
+    def capacity(self) -> int:
+        """Bytes lent to the store, from the master's metrics."""
+        text = requests.get(f"http://127.0.0.1:{self.admin_port}/metrics", timeout=2).text
+        for line in text.splitlines():
+            if line.startswith("master_total_capacity_bytes"):
+                return int(float(line.split()[-1]))
+        return 0
+
+    def _wait(self, ready, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            proc = self.master if what == "master" else self.lender
+            if proc.poll() is not None:
+                raise RuntimeError(f"mooncake {what} exited with {proc.returncode} (see {self.log_dir}/{what}.log)")
+            try:
+                if ready():
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"mooncake {what} not ready in {timeout:.0f}s")
+
+    def kill_master(self) -> None:
+        """SIGKILL, as a crash: no goodbye to its clients."""
+        proc, self.master = self.master, None
+        if proc is not None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        for name in ("lender", "master"):  # lenders first: the master outlives its clients
+            proc = getattr(self, name)
+            setattr(self, name, None)
+            if proc is not None:
+                stop_group(proc, grace=5.0)
+
+    def __enter__(self) -> "MooncakeCluster":
+        self.start_master()
+        if self.lend:
+            self.start_lender()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,108 @@
+"""G4's object store on a real Mooncake Store: a ``mooncake_master`` and a standalone memory lender on 127.0.0.1.
+
+Two workers are two ``G4Store`` clients (Mooncake clients of their own; in one
+process, which Mooncake treats like two). What one writes the other reads,
+verified; another identity reads nothing; a damaged object is a miss; a master
+lost mid-run turns every call into a miss within one call's timeout, then at
+once, and never raises.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from sglang_kvbm.backends.mooncake.store import G4Settings, G4Store, key_prefix
+from sglang_kvbm.core.ports import BlockMeta, EventIdentity
+from sglang_kvbm.kv_layout import aligned_empty
+from sglang_kvbm.testing.mooncake import MooncakeCluster
+
+PAGE, BLOCK = 4, 8192
+IDENTITY = bytes(range(16))
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    with MooncakeCluster(tmp_path) as c:
+        yield c
+
+
+class Worker:
+    """One worker's G4 client with registered block rows and header rows (as the host slab and staging will be)."""
+
+    def __init__(self, cluster, fingerprint=IDENTITY, rows=8, lend=0):
+        settings = G4Settings(cluster.master_address, cluster.metadata_url, segment_bytes=lend)
+        self.store = G4Store(settings, fingerprint=fingerprint, model_name="org/tiny", tp_rank=0, page_size=PAGE,
+                             block_bytes=BLOCK, retry_s=30.0)
+        assert self.store.connect()
+        self.rows = aligned_empty((rows, BLOCK))
+        self.headers = aligned_empty((rows, self.store.header_bytes))
+        self.store.register(self.rows)
+        self.store.register(self.headers)
+
+    def write(self, blocks: dict[str, int]) -> list[bool]:
+        metas = []
+        for i, (block_id, seed) in enumerate(blocks.items()):
+            self.rows[i].copy_(torch.randint(0, 256, (BLOCK,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)))
+            metas.append(BlockMeta(block_id, tuple(range(seed, seed + PAGE)), EventIdentity(seed, None), None))
+        return self.store.write(metas, list(self.rows[: len(metas)]), list(self.headers[: len(metas)]))
+
+    def read(self, block_ids: list[str]):
+        self.rows[: len(block_ids)].fill_(0)
+        return self.store.read(block_ids, list(self.rows[: len(block_ids)]), list(self.headers[: len(block_ids)]))
+
+
+def expected(seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (BLOCK,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def test_keys_are_sglang_hicache_keys_with_the_identity_in_the_tag():
+    store = G4Store(G4Settings("127.0.0.1:1", "P2PHANDSHAKE"), fingerprint=IDENTITY, model_name="Qwen/Qwen3-0.6B",
+                    tp_rank=1, page_size=PAGE, block_bytes=BLOCK)
+    assert key_prefix("kvbm-x", "Qwen/Qwen3-0.6B") == "kvbm-x_Qwen-Qwen3-0.6B"  # SGLang's `config_prefix`
+    assert store.key("ab" * 32) == f"kvbm-{IDENTITY.hex()[:16]}_Qwen-Qwen3-0.6B_{'ab' * 32}_1_k"
+
+
+def test_a_block_written_by_one_worker_is_read_verified_by_another_and_outlives_its_writer(cluster):
+    a, b = Worker(cluster), Worker(cluster)
+    assert a.write({"p0": 1, "p1": 2}) == [True, True]
+    assert b.store.contains(["p0", "p1", "p2"]) == [True, True, False]
+    metas = b.read(["p0", "p1"])
+    assert [m.block_id for m in metas] == ["p0", "p1"] and metas[1].token_ids == (2, 3, 4, 5)
+    assert torch.equal(b.rows[0], expected(1)) and torch.equal(b.rows[1], expected(2))
+    a.store.close()  # the writer leaves: the standalone lender keeps what it wrote
+    assert b.store.contains(["p0"]) == [True] and b.read(["p0"])[0] is not None
+
+
+def test_another_identity_reads_nothing(cluster):
+    Worker(cluster).write({"p0": 1})
+    other = Worker(cluster, fingerprint=bytes(16))
+    assert other.store.contains(["p0"]) == [False] and other.read(["p0"]) == [None]
+
+
+def test_a_damaged_object_is_a_miss_and_a_missing_one_too(cluster):
+    a, b = Worker(cluster), Worker(cluster)
+    a.write({"p0": 1, "p1": 2})
+    b.store._client.upsert(b.store.key("p0"), b"garbage" * 100)  # overwritten by something that is not a block
+    b.store._client.upsert(b.store.key("p1"), bytes(b.store.header_bytes + BLOCK))  # the right size, no header
+    assert b.read(["p0", "p1", "never-written"]) == [None, None, None]
+    # the short one fails its transfer (a plain miss), the headerless one fails verification (rejected)
+    assert b.store.stats["rejected"] == 1 and b.store.stats["misses"] == 3
+
+
+def test_a_lost_master_turns_calls_into_misses_without_raising(cluster):
+    a = Worker(cluster)
+    a.write({"p0": 1})
+    cluster.kill_master()
+    started = time.monotonic()
+    assert a.store.contains(["p0"]) == [False]
+    assert a.read(["p0"]) == [None] and a.write({"p1": 2}) == [False]
+    first = time.monotonic() - started
+    started = time.monotonic()
+    for _ in range(10):  # down: answered at once, no call to Mooncake
+        assert a.store.contains(["p0"]) == [False]
+    assert time.monotonic() - started < 0.05
+    assert not a.store.available and a.store.stats["down"] == 1
+    assert first < 20, f"the first calls after the loss took {first:.1f} s"
