@@ -20,6 +20,10 @@ BAD = {
     "_directory": ["/tmp/a\x00b"],
     "_port": ["0", "70000", "http"],
     "_host": ["localhost", "999.1.1.1", ""],
+    "_address": ["nohost", "host:", ":50051", "127.0.0.1:99999", "127.0.0.1:rpc"],
+    "_metadata_url": ["ftp://x/metadata", "127.0.0.1:8080/metadata"],
+    "_protocol": ["udp", "ib"],
+    "_gib_or_zero": ["four", "-1", "nan", "inf"],
 }
 CASES = [(var, value) for var in _VARS for value in BAD[var.parse.__name__] if value != "" or var.parse.__name__ == "_host"]
 

@@ -39,8 +39,8 @@ class Worker:
         assert self.store.connect()
         self.rows = aligned_empty((rows, BLOCK))
         self.headers = aligned_empty((rows, self.store.header_bytes))
-        self.store.register(self.rows)
-        self.store.register(self.headers)
+        self.store.lend(self.rows)
+        self.store.lend(self.headers)
 
     def write(self, blocks: dict[str, int]) -> list[bool]:
         metas = []

@@ -20,14 +20,18 @@ from typing import Any, Callable, Mapping, Optional
 from sglang_kvbm.config_values import (  # ConfigError: everyone imports it from here
     ConfigError,
     JsonKey,
+    _address,
     _block_size,
     _bool,
     _directory,
+    _gib_or_zero,
     _host,
+    _metadata_url,
     _port,
     _positive_float,
     _positive_int,
     _priority,
+    _protocol,
 )
 
 logger = logging.getLogger(__name__)
@@ -102,6 +106,13 @@ _VARS: tuple[_Var, ...] = (
         _positive_int,
         "requests in the sliding window of the host and disk hit rates (default 1000)",
     ),
+    _Var("SGLANG_KVBM_MOONCAKE_MASTER", "mooncake_master", _address,
+         "Mooncake master host:port; setting it turns on the tier shared by every worker (G4)", text=True),
+    _Var("SGLANG_KVBM_MOONCAKE_METADATA", "mooncake_metadata", _metadata_url,
+         "Mooncake's metadata server URL (the master's own: --enable_http_metadata_server)", text=True),
+    _Var("SGLANG_KVBM_MOONCAKE_PROTOCOL", "mooncake_protocol", _protocol, "tcp (default) or rdma", text=True),
+    _Var("SGLANG_KVBM_MOONCAKE_SEGMENT_GB", "mooncake_segment_gb", _gib_or_zero,
+         "memory this worker lends the store (default 0: a standalone store process lends it)"),
 )
 _BY_ENV = {v.env: v for v in _VARS}
 
@@ -173,6 +184,10 @@ class KvbmConfig:
     router_block_size: Optional[int] = None
     host_offload_min_priority: int = 0
     cache_stats_max_requests: int = 1000
+    mooncake_master: Optional[str] = None
+    mooncake_metadata: Optional[str] = None
+    mooncake_protocol: str = "tcp"
+    mooncake_segment_gb: float = 0.0
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "KvbmConfig":
@@ -245,8 +260,23 @@ class KvbmConfig:
     def has_disk(self) -> bool:
         return self.disk_cache_gb is not None or self.disk_cache_blocks is not None
 
+    @property
+    def has_g4(self) -> bool:
+        return self.mooncake_master is not None
+
     def require_a_tier(self) -> None:
         """Fail when no tier below the device is configured: the backend would do nothing."""
+        if self.has_g4 and not self.has_host:
+            raise ConfigError(
+                "SGLANG_KVBM_MOONCAKE_MASTER (the shared tier) needs a host tier to stage and write through: set "
+                "DYN_KVBM_CPU_CACHE_GB (e.g. DYN_KVBM_CPU_CACHE_GB=4) or DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS"
+            )
+        if self.has_g4 and self.mooncake_metadata is None:
+            raise ConfigError(
+                "SGLANG_KVBM_MOONCAKE_MASTER is set but SGLANG_KVBM_MOONCAKE_METADATA is not: set it to the "
+                "metadata server's URL, e.g. http://<master host>:8080/metadata (mooncake_master "
+                "--enable_http_metadata_server=true serves one)"
+            )
         if not self.has_host and not self.has_disk:
             raise ConfigError(
                 "--radix-cache-backend kvbm needs a tier below the GPU: set DYN_KVBM_CPU_CACHE_GB "

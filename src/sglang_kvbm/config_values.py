@@ -121,3 +121,36 @@ def _directory(name: str, raw: str) -> str:
     if not raw:  # abspath("") would be the working directory
         raise ConfigError(f"{name} is empty: set it to a directory path, or {_unset(name)} for the default /tmp")
     return os.path.abspath(os.path.expanduser(raw))
+
+
+def _address(name: str, raw: str) -> str:
+    """``host:port`` (Mooncake's master)."""
+    host, sep, port = raw.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"{name}={raw!r} is not host:port: set it to the Mooncake master's RPC address, "
+                          f"e.g. {_eg(name, '127.0.0.1:50051')}")
+    return raw
+
+
+def _metadata_url(name: str, raw: str) -> str:
+    """An http(s) URL (Mooncake's metadata server), or Mooncake's ``P2PHANDSHAKE``."""
+    if raw == "P2PHANDSHAKE" or raw.startswith(("http://", "https://")):
+        return raw
+    raise ConfigError(f"{name}={raw!r} is not a metadata server: set it to its URL, "
+                      f"e.g. {_eg(name, 'http://127.0.0.1:8080/metadata')}, or to P2PHANDSHAKE")
+
+
+def _protocol(name: str, raw: str) -> str:
+    if raw.lower() not in ("tcp", "rdma"):
+        raise ConfigError(f"{name}={raw!r} is not a Mooncake transfer protocol: set it to tcp or rdma")
+    return raw.lower()
+
+
+def _gib_or_zero(name: str, raw: str) -> float:
+    """GiB that may be 0 (lend nothing: a standalone store process lends the memory)."""
+    try:
+        if float(raw) == 0:
+            return 0.0
+    except ValueError:
+        pass
+    return _positive_float(name, raw)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
+from concurrent.futures import wait
 from typing import Callable, Sequence
 
 from sglang_kvbm.core.identity import BlockId
@@ -24,6 +25,7 @@ from sglang_kvbm.kv_layout import index
 logger = logging.getLogger(__name__)
 WAIT_SLACK = 3.0  # a read may take this many times the meter's estimate before the load gives up on it
 WAIT_FLOOR_S = 0.05  # and at least this long (thread hand-offs, a disk's jitter)
+G4_FIRST_WAIT_S = 0.5  # a G4 fetch before any was timed
 
 
 @dataclasses.dataclass
@@ -71,8 +73,10 @@ class TierReads:
         already read into staging: servable, but not a tier, so not announced)."""
         n = len(block_ids)
         host = list(map(self._host.contains, block_ids)) if self._host is not None else [False] * n
-        if self._disk is None:
-            return host, host
+        if self._disk is None:  # G4 alone below host: staged G4 blocks are servable
+            if not staged or self._staging is None:
+                return host, host
+            return host, list(map(operator.or_, host, map(self._staging.pool.contains, block_ids)))
         on_disk = map(self._disk.contains, block_ids)
         if staged:
             on_disk = map(operator.or_, on_disk, map(self._staging.pool.contains, block_ids))
@@ -107,13 +111,28 @@ class TierReads:
             if self._policy is not None and not self._policy.disk_pays(disk_only * self._layout.page_size):
                 hit = host_run
                 disk_only = 0
+        if hit < len(block_ids) and self._staging is not None:
+            hit += self._from_g4(block_ids, hit)
         if self._host is not None:
             self._host.touch(block_ids[:hit])
-        if disk_only:
+        if disk_only and self._disk is not None:
             self._disk.touch(block_ids[:hit])
             wanted = [b for b, in_host in zip(block_ids[:hit], host) if not in_host]
             self._staging.prefetch([b for b in wanted if self._disk.registered(b)], keep=wanted)
         return hit, host_run
+
+    def _from_g4(self, block_ids: Sequence[BlockId], hit: int) -> int:
+        """How many blocks after ``hit`` G4 serves: fetched into staging now, waited for a bounded time."""
+        staging = self._staging
+        futures = staging.fetch_g4(block_ids[hit:], keep=block_ids[:hit])
+        if futures:
+            estimate = staging.g4_meter.estimate(len(block_ids[hit:]) * staging.slot_bytes)
+            budget = G4_FIRST_WAIT_S if estimate is None else WAIT_SLACK * estimate + WAIT_FLOOR_S
+            done, _ = wait(futures, timeout=min(budget, self._load_timeout))
+            if len(done) < len(futures):
+                self._stats.g4_waits_expired += 1
+            staging.collect()
+        return _run(list(map(staging.pool.contains, block_ids[hit:])))
 
     def acquire(self, block_ids: Sequence[BlockId]):
         host, staging = self._host, self._staging
@@ -122,7 +141,8 @@ class TierReads:
         if lower:
             if staging is None:
                 return None
-            staging.prefetch([b for b in lower if self._disk.registered(b)], keep=lower)
+            if self._disk is not None:
+                staging.prefetch([b for b in lower if self._disk.registered(b)], keep=lower)
             pending = staging.pending_bytes(lower)
             if pending:
                 self._stats.load_waits += 1
@@ -150,10 +170,10 @@ class TierReads:
 
     def _wait_budget(self, pending: int) -> float:
         """How long a load may wait for ``pending`` bytes of its own reads (one other job may be running)."""
-        meter = self._policy.read if self._policy is not None else None
-        estimate = meter.estimate(pending + self._staging.job_blocks * self._disk.slot_bytes) if meter is not None else None
-        if estimate is None:
-            return self._load_timeout
+        meter = self._policy.read if self._policy is not None else self._staging.g4_meter
+        estimate = meter.estimate(pending + self._staging.job_blocks * self._staging.slot_bytes)
+        if estimate is None:  # the disk's meter is seeded by its probe: this is a G4 read nothing was learnt of yet
+            return min(self._load_timeout, G4_FIRST_WAIT_S)
         return min(self._load_timeout, WAIT_SLACK * estimate + WAIT_FLOOR_S)
 
     def release(self, plan: LoadPlan, *, reused: bool = True) -> None:

@@ -24,6 +24,7 @@ import logging
 from concurrent.futures import Executor, Future, wait
 from typing import Optional, Protocol, Sequence
 
+from sglang_kvbm.backends.local.g4_tier import G4Writes
 from sglang_kvbm.backends.local.host_pool import HostBlockPool
 from sglang_kvbm.backends.local.lanes import LaneExecutor
 from sglang_kvbm.backends.local.lookups import LoadPlan, TierReads
@@ -62,6 +63,7 @@ class LocalBlockManager:
         writer: Optional[LaneExecutor] = None,
         reader: Optional[LaneExecutor] = None,
         load_timeout: float = 30.0,
+        g4=None,
     ) -> None:
         """``executor``, ``writer`` and ``reader`` (tests) replace the device -> host worker and the disk threads.
 
@@ -81,13 +83,20 @@ class LocalBlockManager:
                                  self.observe, executor, writer)
         self._reader = None
         self.staging: Optional[ReadStaging] = None
-        if disk is not None:
+        self.g4, self.g4_writes, self._g4_lane = g4, None, None
+        if g4 is not None:  # the shared tier (a G4Store): written through from host rows, fetched into staging
+            if self.host is None:
+                raise ValueError("G4 needs a host tier: it is written through from host rows")
+            self._g4_lane = LaneExecutor("kvbm-g4")  # every Mooncake call: lookups' fetches ahead of writes
+            self.g4_writes = G4Writes(g4, self.host, self._g4_lane, lambda: self.offloads.generation)
+        if disk is not None or g4 is not None:
             self._reader = reader or LaneExecutor("kvbm-disk-read")
-            if self.host is not None:
+            if disk is not None and self.host is not None:
                 disk.register_dram(self.host.slab)
             on_read = policy.read.record if policy is not None else (lambda nbytes, seconds: None)
             blocks = staging_blocks or max(16, min(layout.num_pages, GIB // layout.block_bytes))
-            self.staging = ReadStaging(layout, disk, blocks, self._reader, self._removed, self.observe, on_read)
+            self.staging = ReadStaging(layout, disk, blocks, self._reader, self._removed, self.observe, on_read,
+                                       g4=g4, g4_executor=self._g4_lane)
         self.reads = TierReads(layout, self.host, disk, self.staging, policy, self.stats,
                                self.offloads.offer_to_disk, load_timeout, lambda: self.offloads.generation)
         if disk is not None and len(disk):
@@ -100,6 +109,11 @@ class LocalBlockManager:
         done = self.offloads.collect()
         if self.staging is not None:
             self.staging.collect()
+        if self.g4_writes is not None:  # G4 is written through from every block the host tier registered
+            self.g4_writes.collect()
+            for event in self._events:
+                if event.kind is TierEventKind.STORED and event.tier is Tier.HOST:
+                    self.g4_writes.offer(event.blocks)
         if self.disk is not None:
             self._removed(Tier.DISK, self.disk.take_retired())
             self.disk.persist()
@@ -138,7 +152,8 @@ class LocalBlockManager:
         return tuple(counts)
 
     def in_flight(self) -> list[Future]:
-        return self.offloads.futures() + (self.staging.in_flight() if self.staging is not None else [])
+        return (self.offloads.futures() + (self.staging.in_flight() if self.staging is not None else [])
+                + (self.g4_writes.futures() if self.g4_writes is not None else []))
 
     def busy(self) -> bool:
         return bool(self.in_flight())
@@ -177,8 +192,9 @@ class LocalBlockManager:
 
     def close(self) -> None:
         self.offloads.shutdown()
-        if self._reader is not None:
-            self._reader.shutdown(wait=True, cancel_futures=True)
+        for lane in (self._reader, self._g4_lane):
+            if lane is not None:
+                lane.shutdown(wait=True, cancel_futures=True)
         self.poll()
         if self.disk is not None:
             self.disk.close()

@@ -63,6 +63,7 @@ class LocalStats:
     disk_write_failures: int = 0
     load_waits: int = 0  # loads that waited for their own disk reads
     load_waits_expired: int = 0  # of which gave up past the read meter's estimate (the request recomputed)
+    g4_waits_expired: int = 0  # lookups that stopped waiting for a G4 fetch (it stages for a later request)
 
 
 class Offloads:

@@ -1,4 +1,4 @@
-"""Where disk reads land: host staging rows, verified, before a load copies them to the device.
+"""Where disk and G4 reads land: host staging rows, verified, before a load copies them to the device.
 
 A lookup that finds blocks on disk starts reading them here at once
 (:meth:`ReadStaging.prefetch`), so a request that waits in the queue has its
@@ -12,19 +12,26 @@ not a tier: nothing here is announced, and a block leaves staging without an
 event. A block that fails verification is dropped from the disk tier (with its
 ``DISK`` removal) and never staged. A read of a forgotten generation (the tiers
 were reset meanwhile) stages nothing and unpins nothing by block id.
+
+G4 fetches (``g4_tier``) land here too, on the G4 thread: a lookup fetches the
+leading blocks of its tail that G4 holds (:meth:`ReadStaging.fetch_g4`); a G4
+object that fails verification is a miss, and it is not staged.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from concurrent.futures import Future, wait
 from typing import Callable, Optional, Sequence
 
 from sglang_kvbm.backends.local.copies import disk_to_staging
+from sglang_kvbm.backends.local.g4_tier import g4_to_staging
 from sglang_kvbm.backends.local.host_pool import HostBlockPool
 from sglang_kvbm.backends.local.lanes import LaneExecutor
 from sglang_kvbm.core.identity import BlockId
+from sglang_kvbm.core.onboard_policy import LinearCostMeter
 from sglang_kvbm.core.ports import BlockMeta
 from sglang_kvbm.core.tiers import Tier
 from sglang_kvbm.kv_layout import PagedKvLayout, aligned_empty
@@ -42,6 +49,8 @@ class _ReadJob:
     generation: int
     future: Future
     where: tuple[tuple[int, int], ...] = ()  # (slot, segment generation) each block was read from
+    started: float = 0.0  # time.monotonic() at submission (G4: a job that hangs marks G4 as stalled)
+    g4: bool = False
 
 
 class ReadStaging:
@@ -54,16 +63,26 @@ class ReadStaging:
         removed: Callable[[Tier, Sequence[BlockMeta]], None],
         observe: Callable[[str, int, float], None],
         on_read: Callable[[int, float], None] = lambda nbytes, seconds: None,
+        g4=None,
+        g4_executor: Optional[LaneExecutor] = None,
     ) -> None:
+        """``disk`` may be None when ``g4`` (a ``G4Store``, read by ``g4_executor``) is the only source."""
         self._disk = disk
         self._executor = executor
         self._removed = removed
         self._observe = observe
         self._on_read = on_read
+        self._g4, self._g4_executor = g4, g4_executor
         self.pool = HostBlockPool(layout.host_slab(capacity, pin=layout.is_cuda))
-        self._headers = aligned_empty((capacity, disk.header_bytes))
-        disk.register_dram(self.pool.slab)
-        disk.register_dram(self._headers)
+        header_bytes = (disk if disk is not None else g4).header_bytes  # the header row of this page size
+        self.slot_bytes = header_bytes + layout.block_bytes  # what one block's read moves (the disk slot's size)
+        self._headers = aligned_empty((capacity, header_bytes))
+        for source in (disk, g4):
+            if source is not None:
+                (source.register_dram if source is disk else source.lend)(self.pool.slab)
+                (source.register_dram if source is disk else source.lend)(self._headers)
+        self.g4_staged = 0
+        self.g4_meter = LinearCostMeter()  # seconds per byte of a G4 fetch, for how long a lookup waits for one
         self._jobs: dict[BlockId, _ReadJob] = {}  # block being read -> its job
         self._pending: list[_ReadJob] = []
         self.generation = 0
@@ -79,22 +98,46 @@ class ReadStaging:
     def reading(self, block_id: BlockId) -> bool:
         return block_id in self._jobs
 
-    def prefetch(self, block_ids: Sequence[BlockId], *, keep: Sequence[BlockId] = ()) -> None:
-        """Start reading the blocks not staged or being read yet (the disk must hold them).
-
-        Rows are found by evicting least recently used staged blocks, never one
-        of ``block_ids`` or ``keep`` (the rest of the same load: it needs them too).
-        """
+    def _reserve(self, block_ids: Sequence[BlockId], keep: Sequence[BlockId]) -> tuple[list, list]:
+        """Rows for the blocks not staged or being read yet, evicting least recently used staged blocks, never
+        one of ``block_ids`` or ``keep`` (the rest of the same load: it needs them too)."""
         todo = [b for b in block_ids if not self.pool.holds(b) and b not in self._jobs]
         if not todo:
-            return
+            return [], []
         needed = [b for b in dict.fromkeys([*block_ids, *keep]) if self.pool.registered(b)]
         self.pool.pin(needed)
         try:
-            rows, _ = self.pool.reserve(todo)  # evicts least recently used staged blocks (no events: not a tier)
+            rows, _ = self.pool.reserve(todo)  # no events: staging is not a tier
         finally:
             self.pool.unpin(needed)
-        todo = todo[: len(rows)]
+        return todo[: len(rows)], rows
+
+    def fetch_g4(self, block_ids: Sequence[BlockId], *, keep: Sequence[BlockId] = ()) -> list[Future]:
+        """Start fetching ``block_ids`` (a lookup's tail) from G4: the futures to wait for (none if G4 is down)."""
+        if self._g4 is None or self._g4.down or self.g4_stalled():
+            return []
+        todo, rows = self._reserve(block_ids, keep)
+        futures = []
+        step = self.job_blocks
+        for start in range(0, len(todo), step):
+            ids, job_rows = tuple(todo[start : start + step]), tuple(rows[start : start + step])
+            future = self._g4_executor.submit_urgent(g4_to_staging, self._g4, ids, self.pool.slab, self._headers, job_rows)
+            job = _ReadJob(ids, job_rows, (), (), self.generation, future, started=time.monotonic(), g4=True)
+            self._pending.append(job)
+            self._jobs.update(dict.fromkeys(ids, job))
+            futures.append(future)
+        return futures
+
+    def g4_stalled(self, after: float = 1.0) -> bool:
+        """A G4 job has run longer than ``after`` seconds (a master lost mid-call takes ~4.5 s to fail)."""
+        now = time.monotonic()
+        return any(job.g4 and not job.future.done() and now - job.started > after for job in self._pending)
+
+    def prefetch(self, block_ids: Sequence[BlockId], *, keep: Sequence[BlockId] = ()) -> None:
+        """Start reading the blocks not staged or being read yet (the disk must hold them)."""
+        todo, rows = self._reserve(block_ids, keep)
+        if not todo:
+            return
         step = self.job_blocks
         for start in range(0, len(todo), step):
             ids, job_rows = tuple(todo[start : start + step]), tuple(rows[start : start + step])
@@ -111,12 +154,12 @@ class ReadStaging:
 
     @property
     def job_blocks(self) -> int:
-        return max(1, JOB_BYTES // self._disk.slot_bytes)
+        return max(1, JOB_BYTES // self.slot_bytes)
 
     def pending_bytes(self, block_ids: Sequence[BlockId]) -> int:
         """Bytes still to read for these blocks (whole jobs: a job is read as one)."""
         jobs = {id(job): job for job in map(self._jobs.get, block_ids) if job is not None}
-        return sum(len(job.ids) for job in jobs.values()) * self._disk.slot_bytes
+        return sum(len(job.ids) for job in jobs.values()) * self.slot_bytes
 
     def wait(self, block_ids: Sequence[BlockId], timeout: Optional[float]) -> bool:
         """Wait for the reads of these blocks, moved ahead of other prefetches; False on timeout.
@@ -146,6 +189,9 @@ class ReadStaging:
         self._pending = still
 
     def _finish(self, job: _ReadJob) -> None:
+        if job.g4:
+            self._finish_g4(job)
+            return
         current = job.generation == self.generation
         # Pins of a forgotten generation went with the index: a newer read of the same block may hold one now.
         self._disk.end_read(job.ids if current else (), job.holds)
@@ -177,6 +223,24 @@ class ReadStaging:
             self._observe("onboard_d2d", nbytes, seconds)
             if not bad:
                 self._on_read(nbytes, seconds)
+
+    def _finish_g4(self, job: _ReadJob) -> None:
+        try:
+            metas, seconds = job.future.result()
+        except Exception:  # the request recomputes; nothing is staged
+            logger.exception("kvbm: G4 read of %d blocks failed", len(job.ids))
+            metas, seconds = [None] * len(job.ids), 0.0
+        if job.generation != self.generation:
+            self.pool.abort(job.ids, job.rows)
+            return
+        good = [i for i, meta in enumerate(metas) if meta is not None]
+        bad = [i for i, meta in enumerate(metas) if meta is None]
+        if bad:
+            self.pool.abort([job.ids[i] for i in bad], [job.rows[i] for i in bad])
+        if good:
+            self.pool.commit([metas[i] for i in good], [job.rows[i] for i in good])
+            self.g4_staged += len(good)
+            self.g4_meter.record(len(job.ids) * self.slot_bytes, seconds)
 
     def forget(self) -> None:
         """Drop every staged block; reads in flight are discarded when they end."""

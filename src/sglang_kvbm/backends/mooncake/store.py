@@ -16,9 +16,10 @@ where the header and checksum are verified before any byte may reach the
 device: a missing, evicted, foreign or damaged object is a miss.
 
 Mooncake's calls block and answer with error codes, never exceptions; with the
-master gone each one takes ~4.5 s to fail. So every call runs on the caller's
-worker thread (never the scheduler's), and the first RPC failure marks the
-store down for ``retry_s``: calls in that window answer "miss" at once.
+master gone each one takes ~4.5 s to fail (its batch calls let go of the GIL
+meanwhile, measured; ``setup`` does not: see :meth:`G4Store.connect`). So every
+call runs on the G4 thread (never the scheduler's), and the first RPC failure
+marks the store down for ``retry_s``: calls in that window answer "miss" at once.
 
 Not Mooncake's own ``MooncakeStore`` (SGLang's ``HiCacheStorage``): it moves
 bytes only to and from SGLang's host KV pool, in raw pages without a header,
@@ -30,8 +31,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import socket
 import threading
 import time
+import urllib.parse
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -62,6 +65,23 @@ class G4Settings:
     hostname: str = "127.0.0.1"  # what this client advertises to the others
 
 
+def _http_address(url: str) -> Optional[str]:
+    """``host:port`` of an http(s) URL (None for Mooncake's P2PHANDSHAKE)."""
+    if not url.startswith(("http://", "https://")):
+        return None
+    parsed = urllib.parse.urlsplit(url)
+    return f"{parsed.hostname}:{parsed.port or (443 if parsed.scheme == 'https' else 80)}"
+
+
+def _reachable(address: str, timeout: float = 1.0) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
 def key_prefix(tag: str, model_name: str) -> str:
     """SGLang's ``MooncakeStore`` key prefix: its ``extra_backend_tag`` and the served model name."""
     return "_".join(part for part in (tag, model_name.replace("/", "-")) if part)
@@ -73,17 +93,23 @@ class G4Store:
         block_bytes: int, retry_s: float = 5.0, client: Optional[Callable[[], object]] = None,
     ) -> None:
         self.settings = settings
-        self.fingerprint = fingerprint
-        self.prefix = key_prefix("kvbm-" + fingerprint.hex()[:16], model_name)
+        self.model_name = model_name
+        self.rekey(fingerprint)
         self.tp_rank = tp_rank
         self.header_bytes = header_bytes_for(page_size)
         self.block_bytes = block_bytes
         self.retry_s = retry_s
         self._client_factory = client
         self._client = None
+        self._lent: list[torch.Tensor] = []  # host memory Mooncake moves bytes to and from, registered on connect
         self._down_until = 0.0
         self._lock = threading.Lock()  # one call at a time (register, reads, writes come from different threads)
         self.stats = {"written": 0, "read": 0, "misses": 0, "rejected": 0, "down": 0}
+
+    def rekey(self, fingerprint: bytes) -> None:
+        """Read and write under another identity from now on (weights replaced in memory: see ``weight_updates``)."""
+        self.fingerprint = fingerprint
+        self.prefix = key_prefix("kvbm-" + fingerprint.hex()[:16], self.model_name)
 
     def key(self, block_id: BlockId) -> str:
         return f"{self.prefix}_{block_id}_{self.tp_rank}_k"
@@ -91,9 +117,19 @@ class G4Store:
     # -- connection -------------------------------------------------------------------------
 
     def connect(self) -> bool:
-        """Join the store; False (logged, retried by later calls) when the master does not answer."""
+        """Join the store; False (logged, retried by later calls) when the master does not answer.
+
+        Mooncake's ``setup`` holds the GIL while it waits for a master that is
+        not there (measured: 90 s, every thread of the process stopped), so the
+        master and the metadata server are first probed with a plain TCP
+        connect, which does not.
+        """
         if self._client is not None:
             return True
+        unreachable = [a for a in (self.settings.master, _http_address(self.settings.metadata)) if a and not _reachable(a)]
+        if unreachable:
+            self._fail(f"{', '.join(unreachable)} did not accept a connection")
+            return False
         if self._client_factory is not None:
             client = self._client_factory()
         else:
@@ -105,14 +141,22 @@ class G4Store:
         if rc != 0:
             self._fail(f"setup returned {rc} (master {s.master}, metadata {s.metadata})")
             return False
+        for tensor in self._lent:
+            self._register(client, tensor)
         self._client = client
         logger.info("kvbm: G4 joined Mooncake master %s as %s (lends %d bytes, objects %s_<page>_%d_k)",
                     s.master, client.get_hostname(), s.segment_bytes, self.prefix, self.tp_rank)
         return True
 
     @property
+    def down(self) -> bool:
+        """Marked down after a failure, until ``retry_s`` passed (cheap: any thread may ask)."""
+        return time.monotonic() < self._down_until
+
+    @property
     def available(self) -> bool:
-        return time.monotonic() >= self._down_until and (self._client is not None or self.connect())
+        """Up and connected (connects, when it was not, on the calling thread: the G4 thread's business)."""
+        return not self.down and (self._client is not None or self.connect())
 
     def _fail(self, why: str) -> None:
         if time.monotonic() >= self._down_until:
@@ -121,11 +165,16 @@ class G4Store:
             self.stats["down"] += 1
         self._down_until = time.monotonic() + self.retry_s
 
-    def register(self, tensor: torch.Tensor) -> None:
-        """Let Mooncake move bytes to and from ``tensor`` without a copy (host slabs, staging)."""
-        if not self.available:
-            raise ConnectionError("G4 is not connected")
-        rc = self._client.register_buffer(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+    def lend(self, tensor: torch.Tensor) -> None:
+        """Let Mooncake move bytes to and from ``tensor`` without a copy (host slab, staging, header rows)."""
+        self._lent.append(tensor)
+        if self._client is not None:
+            with self._lock:
+                self._register(self._client, tensor)
+
+    @staticmethod
+    def _register(client, tensor: torch.Tensor) -> None:
+        rc = client.register_buffer(tensor.data_ptr(), tensor.numel() * tensor.element_size())
         if rc != 0:
             raise RuntimeError(f"Mooncake register_buffer returned {rc}")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any, Mapping, Optional
 
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -37,6 +38,7 @@ class Identity:
     settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     ranks: Mapping[str, int] = dataclasses.field(default_factory=dict)
     download_dir: Optional[str] = None  # SGLang's --download-dir: where a hub id's snapshot is looked for first
+    served_model_name: str = ""  # what G4's object names carry, as SGLang's HiCache names its L3 pages
 
 
 @dataclasses.dataclass
@@ -105,6 +107,7 @@ def build_tiers(
                                  siblings=tuple(f for f, _ in identities if f != fingerprint))
         policy = OnboardPolicy(bytes_per_token=disks[0].slot_bytes / layout.page_size)
         policy.read.record(4 << 20, (4 << 20) / found.read_bytes_per_s)  # seeded by the probe, refined by real reads
+    g4 = _g4(config, identity, group, layout, kvcache) if config.has_g4 else None
     managers = []
     for (name, pool_layout), disk in zip(pools, disks):
         kv = name == "kv"  # the tests' gated threads and the metrics observe the KV pool's copies
@@ -113,21 +116,52 @@ def build_tiers(
             offload_filter=None if disk is None or config.disable_disk_offload_filter else FrequencyFilter(),
             policy=policy, observer=observer if kv else None,  # one disk, one read meter: sidecars wait by it too
             executor=offload_executor if kv else None, writer=disk_writer if kv else None,
-            reader=disk_reader if kv else None,
+            reader=disk_reader if kv else None, g4=g4 if kv else None,
         ))
     manager = managers[0]
     sidecars = SidecarStores({s.name: (m, s.window) for s, m in zip(group.sidecars, managers[1:])})
     disk = manager.disk
     logger.info(
         "kvbm: local backend, page %d tokens, block %d bytes (%s; %d layers; `sglang-kvbm doctor --block-bytes %d "
-        "--page-size %d` checks the room for it); host tier %d blocks (%.2f GiB%s); disk tier %s",
+        "--page-size %d` checks the room for it); host tier %d blocks (%.2f GiB%s); disk tier %s; G4 %s",
         params.page_size, row_bytes, ", ".join(f"{name} {each.block_bytes} bytes in {len(each.buffer_page_bytes)} buffers"
                                                for name, each in zip(("kv", *(s.name for s in group.sidecars)), layouts)),
         layout.num_layers, row_bytes, params.page_size, host_blocks, host_blocks * row_bytes / GIB, ", pinned" if layout.is_cuda else "",
         "off" if disk is None else f"{disk_blocks} blocks ({disk_blocks * sum(m.disk.slot_bytes for m in managers) / GIB:.2f} "
         f"GiB) in {config.disk_cache_dir}, offload filter {'off' if config.disable_disk_offload_filter else 'on'}",
+        "off" if g4 is None else f"Mooncake master {config.mooncake_master}, objects {g4.prefix}_<page hash>_"
+        f"{g4.tp_rank}_k, write-through from host",
     )
     return Tiers(layout, manager, policy, group, sidecars)
+
+
+def _g4(config: KvbmConfig, identity: Identity, group: PoolGroup, layout: PagedKvLayout, kvcache):
+    """The shared tier's client (it connects on the G4 thread, retrying while the master does not answer)."""
+    from sglang_kvbm.backends.mooncake.store import G4Settings, G4Store
+
+    if group.sidecars:
+        logger.warning("kvbm: G4 (SGLANG_KVBM_MOONCAKE_MASTER) holds full-attention KV only; this model's "
+                       "sliding-window/Mamba state is not shared yet, so G4 is off for it")
+        return None
+    fingerprint, _ = server_fingerprint(identity.model_path, layout, kvcache, revision=identity.revision,
+                                        settings=identity.settings, ranks=identity.ranks, download_dir=identity.download_dir)
+    settings = G4Settings(config.mooncake_master, config.mooncake_metadata, config.mooncake_protocol,
+                          int(config.mooncake_segment_gb * GIB), hostname=_advertised_host(config.mooncake_master))
+    name = identity.served_model_name or os.path.basename(identity.model_path.rstrip("/"))
+    return G4Store(settings, fingerprint=fingerprint, model_name=name, tp_rank=int(identity.ranks.get("tp_rank", 0)),
+                   page_size=layout.page_size, block_bytes=layout.block_bytes)
+
+
+def _advertised_host(master: str) -> str:
+    """The address other Mooncake clients reach this one at: MOONCAKE_LOCAL_HOSTNAME (SGLang's name for it), else
+    127.0.0.1 beside a local master, else this host's address."""
+    import socket
+
+    if os.environ.get("MOONCAKE_LOCAL_HOSTNAME"):
+        return os.environ["MOONCAKE_LOCAL_HOSTNAME"]
+    if master.rpartition(":")[0] in ("127.0.0.1", "localhost"):
+        return "127.0.0.1"
+    return socket.gethostbyname(socket.gethostname())
 
 
 def check_router_block_size(config: KvbmConfig, page_size: int) -> None:

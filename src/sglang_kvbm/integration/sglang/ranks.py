@@ -75,16 +75,17 @@ def setup_of(server_args: Any, params, extra_config: Mapping[str, Any]) -> Linke
     ranks = {"tp_rank": tp_rank, "tp_size": tp_size, "pp_rank": params.pp_rank, "pp_size": params.pp_size,
              "attn_cp_rank": params.attn_cp_rank, "dp_rank": dp_rank}
     settings = {}
-    model_path, revision, download_dir = "", None, None
+    model_path, revision, download_dir, served = "", None, None, ""
     if server_args is not None:
         model_path = str(getattr(server_args, "model_path", "") or "")
+        served = str(getattr(server_args, "served_model_name", "") or "")
         revision = getattr(server_args, "revision", None)
         download_dir = getattr(server_args, "download_dir", None)
         settings = {"quantization": getattr(server_args, "quantization", None),
                     "kv_cache_dtype": str(getattr(server_args, "kv_cache_dtype", None)),
                     **weight_settings(getattr(server_args, "load_format", None),
                                       getattr(server_args, "json_model_override_args", None))}
-    identity = extra_config.get("identity") or Identity(model_path, revision, settings, ranks, download_dir)
+    identity = extra_config.get("identity") or Identity(model_path, revision, settings, ranks, download_dir, served)
     serves = tp_rank == 0 and params.pp_rank == 0 and params.attn_cp_rank == 0
     agreeing = _group_rank(params.attn_tp_cache_group)[1] * _group_rank(params.attn_cp_cache_group)[1]
     agreeing = agreeing if agreeing > 1 else _group_rank(params.tp_cache_group)[1]

@@ -60,6 +60,10 @@ def linker_of(updater: Any) -> Optional[Any]:
 def weights_replaced(linker: Any, how: str) -> None:
     """Drop every tier; move the disk tier off the files' identity (once per run)."""
     linker.drop_tiers()
+    g4 = linker.manager.g4
+    if g4 is not None:  # what this server shares from now on is not what its model files would compute
+        g4.rekey(rekeyed(g4.fingerprint, how))
+        linker.manager.g4_writes.forget()
     disk = linker.manager.disk
     if disk is None or disk in _private:
         logger.info("kvbm: weights replaced (%s): host and disk tiers dropped", how)

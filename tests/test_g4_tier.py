@@ -1,0 +1,100 @@
+"""G4 as a tier: two workers' tiers on one real Mooncake Store (master + standalone lender on 127.0.0.1).
+
+Each worker is SGLang's default tree, pools and allocator with the kvbm linker
+(``conftest.build_stack``), G4 on through the configuration. What worker A
+stores is written through to G4 from its host tier; worker B, which never saw
+the prefix, finds it there at lookup, fetches it into verified staging and
+loads it byte for byte. A server of another identity finds nothing; a
+damaged object is a miss that recomputes; a lost master makes lookups misses
+without stalling them.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from sglang_kvbm.config import ConfigError, KvbmConfig
+from sglang_kvbm.integration.sglang.build import Identity
+from sglang_kvbm.testing.mooncake import MooncakeCluster
+from test_disk_tier import load_exact
+
+TOKENS = list(range(500, 532))  # 8 pages of 4
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    with MooncakeCluster(tmp_path) as c:
+        yield c
+
+
+def worker(stack_factory, cluster, model="tiny-a", **kwargs):
+    config = {"mooncake_master": cluster.master_address, "mooncake_metadata": cluster.metadata_url}
+    return stack_factory(host_blocks=32, identity=Identity(model_path=model), config=config, **kwargs)
+
+
+def g4_written(stack, n: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while stack.manager.g4_writes.written < n:
+        assert time.monotonic() < deadline, "G4 write-through did not finish"
+        stack.settle()
+        stack.manager.poll()
+
+
+def test_a_prefix_stored_by_one_worker_loads_on_another_from_g4(stack_factory, cluster):
+    a, b = worker(stack_factory, cluster), worker(stack_factory, cluster)
+    written = a.insert(TOKENS, seed=3)
+    a.settle()
+    g4_written(a, len(TOKENS) // a.page_size)
+    assert b.linker.connector.peek(b.block_ids(TOKENS)) == (0, 0)  # B holds nothing of it itself
+    load_exact(b, TOKENS, written)
+    assert b.manager.staging.g4_staged == len(TOKENS) // b.page_size
+    assert b.linker.connector.stats.onboard_blocks_d2d == len(TOKENS) // b.page_size  # reported as storage hits
+
+
+def test_another_identity_and_a_damaged_object_are_misses(stack_factory, cluster):
+    a = worker(stack_factory, cluster)
+    a.insert(TOKENS, seed=3)
+    a.settle()
+    g4_written(a, len(TOKENS) // a.page_size)
+    other = worker(stack_factory, cluster, model="tiny-b")
+    _, match, loaded, slots, _ = other.admit(TOKENS + [1], "other")
+    assert loaded == 0
+    b = worker(stack_factory, cluster)
+    ids = b.block_ids(TOKENS)
+    client = a.manager.g4._client
+    client.upsert(a.manager.g4.key(ids[2]), bytes(a.manager.g4.header_bytes + a.layout.block_bytes))  # page 2 zeroed
+    req, match, loaded, slots, _ = b.admit(TOKENS + [1], "damaged")
+    assert loaded == 2 * b.page_size  # pages 0 and 1; page 2 failed verification, the rest recomputes
+    assert b.manager.g4.stats["rejected"] == 1
+    assert b.finish(req)
+    b.allocator.free(slots)
+
+
+def test_a_lost_master_makes_lookups_misses_without_stalling_the_scheduler(stack_factory, cluster):
+    a = worker(stack_factory, cluster)
+    a.insert(TOKENS, seed=3)
+    a.settle()
+    g4_written(a, len(TOKENS) // a.page_size)
+    b = worker(stack_factory, cluster)
+    cluster.kill_master()
+    waits = []
+    for i in range(6):
+        started = time.monotonic()
+        _, match, loaded, slots, _ = b.admit(TOKENS[: 4 * (i + 2)] + [1], f"r{i}")
+        waits.append(time.monotonic() - started)
+        assert loaded == 0
+    assert max(waits) < 1.5, waits  # the first waits at most its budget; then G4 is stalled/down: no wait at all
+    assert sum(waits[2:]) < 0.5, waits
+
+
+def test_g4_needs_a_host_tier_and_its_metadata_server():
+    with pytest.raises(ConfigError, match="needs a host tier"):
+        KvbmConfig(mooncake_master="127.0.0.1:50051", mooncake_metadata="http://x/metadata").require_a_tier()
+    with pytest.raises(ConfigError, match="SGLANG_KVBM_MOONCAKE_METADATA"):
+        KvbmConfig(cpu_cache_gb=1, mooncake_master="127.0.0.1:50051").require_a_tier()
+    with pytest.raises(ConfigError, match="SGLANG_KVBM_MOONCAKE_MASTER='nohost' is not host:port"):
+        KvbmConfig.from_env({"SGLANG_KVBM_MOONCAKE_MASTER": "nohost"})
+    assert torch.tensor(0) is not None
