@@ -13,6 +13,8 @@ whole prefix), so a hit lands only on boundaries that have one.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from sglang_kvbm.testing.hybrid import admit, build, equal, kv_bytes, mamba_bytes
@@ -82,6 +84,23 @@ def test_no_state_at_a_boundary_means_no_hit_there(tmp_path):
     h.evict_device()
     inside = admit(h, a[:4] + [9, 9, 9], compute=False)  # pages 0..3 are in the tiers, but no state at 4 (or before)
     assert inside.loaded_tokens == 0
+    # POST /tiers says so too (the KV events alone would say 4 pages), and says 6 where the state is
+    assert dataclasses.astuple(h.linker.tier_tokens(a[:4] + [9, 9, 9])) == (0, 0, 0)
+    assert dataclasses.astuple(h.linker.tier_tokens(a)) == (0, PAGES, PAGES)
+
+
+def test_every_pool_loads_on_the_layer_sglang_waits_on_before_reading_it(tmp_path):
+    """The buffers each layer's load writes are the ones SGLang's own accessors hand that layer's forward."""
+    h = build("mamba", tmp_path)
+    kv, mamba = h.linker.layout, h.linker.sidecars.managers["mamba"].layout
+    for layer in range(kv.num_layers):
+        loaded = {kv._views[b].data_ptr() for b in kv.layers[layer]} | {mamba._views[b].data_ptr() for b in mamba.layers[layer]}
+        if layer in h.kvcache.full_attention_layer_id_mapping:
+            read = {h.kvcache.get_key_buffer(layer).data_ptr(), h.kvcache.get_value_buffer(layer).data_ptr()}
+        else:
+            state = h.r2t.mamba2_layer_cache(layer)
+            read = {state.temporal.data_ptr(), *(c.data_ptr() for c in state.conv)}
+        assert read == loaded, layer
 
 
 def test_a_corrupt_state_on_disk_misses_the_whole_load(tmp_path):

@@ -80,3 +80,12 @@ def test_a_restart_reads_the_disk_blocks_of_its_own_pool_shape_only(tmp_path, wi
     assert again.loaded_tokens == served
     if served:
         assert equal(kv_bytes(after, again.loaded_slots), kv)
+
+
+def test_every_pool_loads_on_the_layer_sglang_waits_on_before_reading_it(tmp_path):
+    """The buffers each layer's load writes are the ones ``SWAKVPool`` hands that layer's forward (after its wait)."""
+    h = build("swa", tmp_path)
+    kv, swa = h.linker.layout, h.linker.sidecars.managers["swa"].layout
+    for layer in range(kv.num_layers):
+        loaded = {kv._views[b].data_ptr() for b in kv.layers[layer]} | {swa._views[b].data_ptr() for b in swa.layers[layer]}
+        assert loaded == {h.kvcache.get_key_buffer(layer).data_ptr(), h.kvcache.get_value_buffer(layer).data_ptr()}

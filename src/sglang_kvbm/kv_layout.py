@@ -153,6 +153,10 @@ class PagedKvLayout:
         """Streams no copy stream may be (the scheduler's, the forward's): ``new_stream`` draws around them."""
         self._streams_taken.update(s.cuda_stream for s in streams if s is not None)
 
+    def share_streams(self, other: "PagedKvLayout") -> None:
+        """Draw copy streams from ``other``'s taken set (a hybrid model's pools, whose workers run side by side)."""
+        self._streams_taken = other._streams_taken
+
     def new_stream(self) -> Optional[torch.cuda.Stream]:
         """A copy stream for one worker (CUDA), none of SGLang's nor another worker's; None on CPU.
 

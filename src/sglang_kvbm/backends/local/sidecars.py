@@ -76,16 +76,18 @@ class SidecarStores:
                 window = self.windows[name]
                 runs = itertools.accumulate(manager.servable(block_ids[:hit]), lambda run, held: run + 1 if held else 0)
                 ok = [was and run >= min(p, window) for p, (was, run) in enumerate(zip(ok, runs), 1)]
-            lengths = [p for p, good in enumerate(ok, 1) if good]
+            # the last 32 and the powers of two below: ranks intersect subsets of what each can restore
+            lengths = [p for p, good in enumerate(ok, 1) if good and (p > hit - 32 or p & (p - 1) == 0)]
         else:
-            lengths = self._longest(block_ids, hit)
+            lengths = [p] if (p := self.longest(block_ids, hit)) else []
         if lengths:
             for name, ids in self.parts(block_ids, lengths[-1]).items():
                 self.managers[name].lookup(ids)  # keeps them warm, and reads disk-only ones into staging now
         return lengths
 
-    def _longest(self, block_ids: Sequence[BlockId], hit: int) -> list[int]:
-        """The longest restorable boundary, checking each sidecar's window back from ``hit`` (usually one window)."""
+    def longest(self, block_ids: Sequence[BlockId], hit: int) -> int:
+        """The longest restorable boundary (0: none), checking each sidecar's window back from ``hit`` (usually
+        one window); reads nothing, changes nothing."""
         p = hit
         while p > 0:
             for name, manager in self.managers.items():
@@ -98,8 +100,8 @@ class SidecarStores:
                         p = len(held) - held[::-1].index(True) if any(held) else 0
                     break
             else:
-                return [p]
-        return []
+                return p
+        return 0
 
     def parts(self, block_ids: Sequence[BlockId], pages: int) -> dict[str, Sequence[BlockId]]:
         """The blocks each sidecar loads for a boundary of ``pages`` pages."""

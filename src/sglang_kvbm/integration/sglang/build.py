@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from typing import Any, Mapping, Optional
 
@@ -70,8 +71,11 @@ def build_tiers(
     if layout.is_cuda:  # the copy streams are drawn apart from the scheduler's (current) and the forward's
         import torch
 
+        for each in layouts[1:]:  # and apart from each other's: every pool's workers draw from one set
+            each.share_streams(layout)
         layout.avoid_streams(torch.cuda.current_stream(layout.device), forward_stream)
-    row_bytes = sum(each.block_bytes for each in layouts)
+    shares = [1.0] + [s.share for s in group.sidecars]
+    row_bytes = round(sum(each.block_bytes * share for each, share in zip(layouts, shares)))  # per KV block
     host_blocks = config.host_blocks(row_bytes)
     device_pages = allocator.size // params.page_size
     if config.has_host and host_blocks < device_pages:
@@ -89,30 +93,31 @@ def build_tiers(
     disk_blocks, policy = 0, None
     if config.has_disk:
         slot_bytes = [DiskStore.header_bytes_for(each.page_size) + each.block_bytes for each in layouts]
-        disk_blocks = config.disk_blocks(sum(slot_bytes))
+        disk_blocks = config.disk_blocks(round(sum(n * share for n, share in zip(slot_bytes, shares))))
         identities = [server_fingerprint(
             identity.model_path, pool_layout, kvcache, revision=identity.revision,
             settings=settings if name == "kv" else {**settings, "stored_pool": name},
             ranks=identity.ranks, download_dir=identity.download_dir,
         ) for name, pool_layout in pools]
         found = probe(
-            config.disk_cache_dir, disk_blocks * sum(slot_bytes), zerofill_fallback=config.disk_zerofill_fallback,
+            config.disk_cache_dir, sum(_blocks(disk_blocks, share) * n for n, share in zip(slot_bytes, shares)),
+            zerofill_fallback=config.disk_zerofill_fallback,
             disable_o_direct=config.disk_disable_o_direct,
             already_ours=sum(DiskStore.existing_bytes(config.disk_cache_dir, f) for f, _ in identities),
         )
         for i, ((name, pool_layout), (fingerprint, description)) in enumerate(zip(pools, identities)):
             logger.info("kvbm: disk identity %s (%s): %s", fingerprint.hex(), name, description)
-            disks[i] = DiskStore(probe=found, num_slots=disk_blocks, block_bytes=pool_layout.block_bytes,
+            disks[i] = DiskStore(probe=found, num_slots=_blocks(disk_blocks, shares[i]), block_bytes=pool_layout.block_bytes,
                                  fingerprint=fingerprint, page_size=pool_layout.page_size, pin=layout.is_cuda,
                                  siblings=tuple(f for f, _ in identities if f != fingerprint))
         policy = OnboardPolicy(bytes_per_token=disks[0].slot_bytes / layout.page_size)
         policy.read.record(4 << 20, (4 << 20) / found.read_bytes_per_s)  # seeded by the probe, refined by real reads
     g4 = _g4(config, identity, group, layout, kvcache) if config.has_g4 else None
     managers = []
-    for (name, pool_layout), disk in zip(pools, disks):
+    for (name, pool_layout), disk, share in zip(pools, disks, shares):
         kv = name == "kv"  # the tests' gated threads and the metrics observe the KV pool's copies
         managers.append(LocalBlockManager(
-            pool_layout, host_blocks, pin=layout.is_cuda, disk=disk,
+            pool_layout, _blocks(host_blocks, share), pin=layout.is_cuda, disk=disk,
             offload_filter=None if disk is None or config.disable_disk_offload_filter else FrequencyFilter(),
             policy=policy, observer=observer if kv else None,  # one disk, one read meter: sidecars wait by it too
             executor=offload_executor if kv else None, writer=disk_writer if kv else None,
@@ -121,13 +126,17 @@ def build_tiers(
     manager = managers[0]
     sidecars = SidecarStores({s.name: (m, s.window) for s, m in zip(group.sidecars, managers[1:])})
     disk = manager.disk
+    names = ("kv", *(s.name for s in group.sidecars))
+    per_pool = ", ".join(f"{name} {m.layout.block_bytes} bytes in {len(m.layout.buffer_page_bytes)} buffers"
+                         + (f", {m.host.capacity if m.host is not None else 0} host / {m.disk.num_slots if m.disk is not None else 0} disk blocks"
+                            if name != "kv" else "") for name, m in zip(names, managers))
     logger.info(
-        "kvbm: local backend, page %d tokens, block %d bytes (%s; %d layers; `sglang-kvbm doctor --block-bytes %d "
-        "--page-size %d` checks the room for it); host tier %d blocks (%.2f GiB%s); disk tier %s; G4 %s",
-        params.page_size, row_bytes, ", ".join(f"{name} {each.block_bytes} bytes in {len(each.buffer_page_bytes)} buffers"
-                                               for name, each in zip(("kv", *(s.name for s in group.sidecars)), layouts)),
-        layout.num_layers, row_bytes, params.page_size, host_blocks, host_blocks * row_bytes / GIB, ", pinned" if layout.is_cuda else "",
-        "off" if disk is None else f"{disk_blocks} blocks ({disk_blocks * sum(m.disk.slot_bytes for m in managers) / GIB:.2f} "
+        "kvbm: local backend, page %d tokens, %d bytes a KV block with its share of the other pools (%s; %d layers; "
+        "`sglang-kvbm doctor --block-bytes %d --page-size %d` checks the room for it); host tier %d blocks "
+        "(%.2f GiB%s); disk tier %s; G4 %s",
+        params.page_size, row_bytes, per_pool, layout.num_layers, row_bytes, params.page_size, host_blocks,
+        sum(m.host.capacity * m.layout.block_bytes for m in managers if m.host is not None) / GIB, ", pinned" if layout.is_cuda else "",
+        "off" if disk is None else f"{disk_blocks} blocks ({sum(m.disk.num_slots * m.disk.slot_bytes for m in managers) / GIB:.2f} "
         f"GiB) in {config.disk_cache_dir}, offload filter {'off' if config.disable_disk_offload_filter else 'on'}",
         "off" if g4 is None else f"Mooncake master {config.mooncake_master}, objects {g4.prefix}_<page hash>_"
         f"{g4.tp_rank}_k, write-through from host",
@@ -162,6 +171,11 @@ def _advertised_host(master: str) -> str:
     if master.rpartition(":")[0] in ("127.0.0.1", "localhost"):
         return "127.0.0.1"
     return socket.gethostbyname(socket.gethostname())
+
+
+def _blocks(kv_blocks: int, share: float) -> int:
+    """A pool's blocks in a tier of ``kv_blocks`` KV blocks (at least 16 sidecar blocks: a few nodes' worth)."""
+    return kv_blocks if share == 1.0 or not kv_blocks else max(16, math.ceil(kv_blocks * share))
 
 
 def check_router_block_size(config: KvbmConfig, page_size: int) -> None:

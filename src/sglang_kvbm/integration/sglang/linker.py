@@ -133,7 +133,11 @@ class KvbmLinker(UnifiedCacheLinker):
             plan = self.connector.acquire(kv.keys)
             if plan is not None and self.sidecars:  # all or none: the KV with every sidecar pool's part
                 wanted = sidecar_loads(transfers, self.sidecars.managers)
-                side = self.sidecars.acquire({n: t.keys for n, t in wanted.items()}) if wanted is not None else None
+                try:
+                    side = self.sidecars.acquire({n: t.keys for n, t in wanted.items()}) if wanted else None
+                except BaseException:
+                    self.connector.cancel(plan)
+                    raise
                 if side is None:
                     self.connector.refuse(plan, "a sliding-window page or Mamba state it needs is not held")
                     plan = None
@@ -294,7 +298,8 @@ class KvbmLinker(UnifiedCacheLinker):
 
     def tier_tokens(self, token_ids, *, extra_key=None, cache_salt=None) -> TierTokens:
         """Tokens of a sequence each tier would serve now (scheduler thread; others use ``query_tiers``)."""
-        return tier_tokens(self.cache, self.connector, token_ids, extra_key=extra_key, cache_salt=cache_salt)
+        return tier_tokens(self.cache, self.connector, token_ids, extra_key=extra_key, cache_salt=cache_salt,
+                           sidecars=self.sidecars)
 
     def query_tiers(self, token_ids, *, extra_key=None, cache_salt=None, timeout: float = 10.0) -> TierTokens:
         return self.queries.ask(token_ids, extra_key=extra_key, cache_salt=cache_salt, timeout=timeout)

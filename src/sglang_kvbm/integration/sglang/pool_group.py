@@ -35,6 +35,7 @@ from sglang_kvbm.integration.sglang.kv_pool import UnsupportedPoolError, pool_bu
 from sglang_kvbm.kv_layout import PagedKvLayout
 
 SWA, MAMBA = "swa", "mamba"
+MAMBA_STATE_TOKENS = 512  # the tiers size one Mamba state per this many tokens of KV (one per node, not per page)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,7 @@ class Sidecar:
     name: str
     layout: PagedKvLayout
     window: int
+    share: float = 1.0  # blocks per KV block the tiers give it (sliding-window pages: one; Mamba: one per node)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +69,12 @@ def describe_pools(params, components=()) -> PoolGroup:
     kvcache = params.token_to_kv_pool_allocator.get_kvcache()
     components = set(components) or {ComponentType.FULL}
     sidecars: list[Sidecar] = []
+    if isinstance(kvcache, (SWAKVPool, HybridLinearKVPool)) and type(kvcache) not in (SWAKVPool, HybridLinearKVPool):
+        # e.g. QSATokenToKVPool (a HybridLinearKVPool with a compressed-K indexer cache): state a page copy would miss
+        raise UnsupportedPoolError(
+            f"--radix-cache-backend kvbm does not store {type(kvcache).__name__} (it keeps state beyond its full, "
+            f"sliding-window and Mamba pools, e.g. an indexer cache): run this model without it"
+        )
     if isinstance(kvcache, SWAKVPool):
         full, start = kvcache.full_kv_pool, kvcache.start_layer
         full_ids = {g: local for g, (local, is_swa) in kvcache.layers_mapping.items() if not is_swa}
@@ -99,7 +107,7 @@ def describe_pools(params, components=()) -> PoolGroup:
         shape.update(swa_bytes=swa.buffer_page_bytes, swa_window=window)
     if ComponentType.MAMBA in components:
         mamba = _mamba_layout(params, num_layers)
-        sidecars.append(Sidecar(MAMBA, mamba, 1))
+        sidecars.append(Sidecar(MAMBA, mamba, 1, share=1 / max(1, MAMBA_STATE_TOKENS // page)))
         shape.update(mamba_bytes=mamba.buffer_page_bytes)
     if sidecars and params.attn_cp_size > 1:
         raise UnsupportedPoolError("--radix-cache-backend kvbm does not store hybrid pools under context parallelism")

@@ -28,7 +28,10 @@ class TierTokens:
     disk: int
 
 
-def tier_tokens(cache, connector: KvbmConnector, token_ids, *, extra_key=None, cache_salt=None) -> TierTokens:
+def tier_tokens(cache, connector: KvbmConnector, token_ids, *, extra_key=None, cache_salt=None,
+                sidecars=None) -> TierTokens:
+    """Tokens of ``token_ids`` each tier would serve now. A hybrid model's (``sidecars``): only up to the last
+    boundary whose sliding-window pages or Mamba state are held too (the KV events alone over-state it)."""
     ps = cache.page_size
     bigram = cache is not None and cache.tree_core.is_eagle  # EAGLE: keys are (token, next token) pairs
     key = RadixKey(array("q", token_ids), extra_key, cache_salt=cache_salt, is_bigram=bigram).page_aligned(ps)
@@ -37,6 +40,8 @@ def tier_tokens(cache, connector: KvbmConnector, token_ids, *, extra_key=None, c
     device = cache.tree_core.match_full_device_prefix(key)[0] // ps * ps if cache is not None else 0
     rest = get_storage_hash_str(key, None, page_size=ps)[device // ps :]
     host, lower = connector.peek(rest)
+    if sidecars:
+        host, lower = sidecars.longest(rest, host), sidecars.longest(rest, lower)
     return TierTokens(device, device + host * ps, device + lower * ps)
 
 
