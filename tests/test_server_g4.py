@@ -1,0 +1,75 @@
+"""Two real SGLang servers share G4: a prefix computed on A is served on B from Mooncake, with stock's output.
+
+A real ``mooncake_master`` and a standalone memory lender on 127.0.0.1
+(``sglang_kvbm.testing.mooncake``), CPU SGLang servers with
+``--radix-cache-backend kvbm`` and ``SGLANG_KVBM_MOONCAKE_MASTER``. B never saw
+the prompt: its hit can only come from what A wrote through; again after A
+stopped and B restarted (the objects live in the lender's memory, not A's).
+Then the master is killed: the server goes on serving (misses, stock's
+outputs), no request fails.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import requests
+
+from conftest import e2e_prompts, same_output
+from sglang_kvbm.testing.mooncake import MooncakeCluster
+from sglang_kvbm.testing.server import SglangServer, free_port
+
+pytestmark = pytest.mark.server
+
+
+class Worker:
+    def __init__(self, name, model_dir, cluster, tmp_path):
+        self.http = free_port()
+        self.server = SglangServer(
+            model_dir, page_size=4, max_total_tokens=1024, extra_args=["--radix-cache-backend", "kvbm"],
+            env={"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": "512", "DYN_KVBM_METRICS": "true",
+                 "DYN_KVBM_METRICS_PORT": str(self.http), "SGLANG_KVBM_MOONCAKE_MASTER": cluster.master_address,
+                 "SGLANG_KVBM_MOONCAKE_METADATA": cluster.metadata_url, "MC_TCP_BIND_ADDRESS": "127.0.0.1"},
+            log_path=tmp_path / f"{name}.log",
+        )
+
+    def stats(self) -> dict:
+        return requests.get(f"http://127.0.0.1:{self.http}/stats", timeout=30).json()
+
+    def wait_for(self, what, timeout: float = 60.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.stats()
+            if what(stats) or time.monotonic() > deadline:
+                return stats
+            self.server.generate([7, 8, 9], max_new_tokens=1)  # a step: the scheduler polls the tiers
+            time.sleep(0.2)
+
+
+def test_a_prefix_computed_on_one_server_is_a_g4_hit_on_another(model_dir, stock_results, tmp_path):
+    prompts = e2e_prompts()
+    pages = len(prompts["A"]) // 4
+    with MooncakeCluster(tmp_path) as cluster:
+        a, b = Worker("a", model_dir, cluster, tmp_path), Worker("b", model_dir, cluster, tmp_path)
+        with a.server, b.server:  # A still running
+            assert same_output(a.server.generate(prompts["A"], max_new_tokens=8), stock_results["A"])
+            written = a.wait_for(lambda s: s["g4"]["write_through"] >= pages)["g4"]
+            assert written["write_through"] >= pages, written
+            assert_g4_hit(b, prompts["A"], pages, stock_results["A2"])
+        # A stopped, B restarted (a new process, nothing in its own tiers): the lender kept A's objects
+        b = Worker("b2", model_dir, cluster, tmp_path)
+        with b.server:
+            assert_g4_hit(b, prompts["A"], pages, stock_results["A2"])
+            cluster.kill_master()
+            for name in ("B", "C"):  # new prompts: the G4 lookups fail, nothing else does
+                assert same_output(b.server.generate(prompts[name], max_new_tokens=8), stock_results[name])
+            assert b.stats()["g4"]["down"] >= 1
+
+
+def assert_g4_hit(worker, prompt, pages, reference) -> None:
+    served = worker.server.generate(prompt, max_new_tokens=8)
+    stats = worker.stats()
+    assert stats["g4"]["staged"] >= pages - 1 and stats["connector"]["onboard_blocks_d2d"] >= pages - 1, stats
+    assert served["meta_info"]["cached_tokens"] >= (pages - 1) * 4
+    assert same_output(served, reference)
