@@ -168,3 +168,17 @@ def test_version_module_imports_neither_sglang_nor_torch():
     code = "import sys, sglang_kvbm.versions; print([m for m in ('sglang', 'torch') if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_g4_master_that_answers_and_one_that_does_not(tmp_path):
+    from sglang_kvbm.testing.mooncake import MooncakeCluster
+    from sglang_kvbm.testing.server import free_port
+
+    base = {"DYN_KVBM_CPU_CACHE_GB": "1"}
+    with MooncakeCluster(tmp_path, lend="") as cluster:
+        env = {**base, "SGLANG_KVBM_MOONCAKE_MASTER": cluster.master_address,
+               "SGLANG_KVBM_MOONCAKE_METADATA": cluster.metadata_url}
+        assert rows(env)["G4 (Mooncake)"] == ("ok", f"master {cluster.master_address} and metadata server answer")
+    nobody = f"127.0.0.1:{free_port()}"
+    status, detail = rows({**env, "SGLANG_KVBM_MOONCAKE_MASTER": nobody})["G4 (Mooncake)"]
+    assert status == "warn" and nobody in detail and "starts without G4" in detail

@@ -176,6 +176,25 @@ def _disk(rows: list[Row], config: KvbmConfig, need: _Need) -> None:
         rows.append(Row("disk NIXL", "FAIL", "the disk tier needs NIXL: pip install 'sglang-kvbm[disk]'"))
 
 
+def _g4(rows: list[Row], config: KvbmConfig) -> None:
+    """The shared tier: Mooncake's client loads (it needs libibverbs1) and its master answers."""
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as exc:
+        fix = ("apt-get install libibverbs1" if "ibverbs" in str(exc)
+               else "pip install 'sglang-kvbm[mooncake]' (or [mooncake-cuda])")
+        rows.append(Row("G4 (Mooncake)", "FAIL", f"the Mooncake client does not load ({exc}): {fix}"))
+        return
+    from sglang_kvbm.backends.mooncake.probe import unreachable_endpoints
+
+    down = unreachable_endpoints(config.mooncake_master, config.mooncake_metadata or "")
+    if down:
+        rows.append(Row("G4 (Mooncake)", "warn", f"{', '.join(down)} did not accept a connection: the server starts "
+                        "without G4 and retries (start mooncake_master, or fix SGLANG_KVBM_MOONCAKE_MASTER/_METADATA)"))
+    else:
+        rows.append(Row("G4 (Mooncake)", "ok", f"master {config.mooncake_master} and metadata server answer"))
+
+
 def diagnose(environ=None, *, block_bytes: Optional[int] = None, page_size: Optional[int] = None) -> list[Row]:
     """The table's rows; ``block_bytes`` and ``page_size`` are those of the server, when known."""
     environ = os.environ if environ is None else environ
@@ -191,6 +210,8 @@ def diagnose(environ=None, *, block_bytes: Optional[int] = None, page_size: Opti
     rows.append(Row("configuration", "ok", ", ".join(f"{k}={environ[k]}" for k in set_vars) or "nothing set"))
     rows.append(Row("backend", "ok", "local (host memory and disk through NIXL; events on SGLang's stream)"))
     _tiers(rows, config, block_bytes, page_size)
+    if config.has_g4:
+        _g4(rows, config)
     if config.metrics:
         rows.append(Row("metrics", "ok", f"http://{config.http_host}:{config.metrics_port}/metrics"))
     return rows

@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import socket
 import threading
 import time
-import urllib.parse
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -47,6 +45,7 @@ from sglang_kvbm.backends.local.disk.format import (
     encode_header,
     header_bytes_for,
 )
+from sglang_kvbm.backends.mooncake.probe import unreachable_endpoints
 from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.ports import BlockMeta
 
@@ -63,23 +62,6 @@ class G4Settings:
     segment_bytes: int = 0  # memory this worker lends the store (0: a standalone store process lends it)
     local_buffer_bytes: int = 16 << 20
     hostname: str = "127.0.0.1"  # what this client advertises to the others
-
-
-def _http_address(url: str) -> Optional[str]:
-    """``host:port`` of an http(s) URL (None for Mooncake's P2PHANDSHAKE)."""
-    if not url.startswith(("http://", "https://")):
-        return None
-    parsed = urllib.parse.urlsplit(url)
-    return f"{parsed.hostname}:{parsed.port or (443 if parsed.scheme == 'https' else 80)}"
-
-
-def _reachable(address: str, timeout: float = 1.0) -> bool:
-    host, _, port = address.rpartition(":")
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
 
 
 def key_prefix(tag: str, model_name: str) -> str:
@@ -126,7 +108,7 @@ class G4Store:
         """
         if self._client is not None:
             return True
-        unreachable = [a for a in (self.settings.master, _http_address(self.settings.metadata)) if a and not _reachable(a)]
+        unreachable = unreachable_endpoints(self.settings.master, self.settings.metadata)
         if unreachable:
             self._fail(f"{', '.join(unreachable)} did not accept a connection")
             return False
