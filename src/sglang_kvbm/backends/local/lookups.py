@@ -111,7 +111,7 @@ class TierReads:
             if self._policy is not None and not self._policy.disk_pays(disk_only * self._layout.page_size):
                 hit = host_run
                 disk_only = 0
-        if hit < len(block_ids) and self._staging is not None:
+        if hit < len(block_ids) and self._staging is not None and self._staging.has_g4:
             hit += self._from_g4(block_ids, hit)
         if self._host is not None:
             self._host.touch(block_ids[:hit])

@@ -96,7 +96,8 @@ class LocalBlockManager:
             on_read = policy.read.record if policy is not None else (lambda nbytes, seconds: None)
             blocks = staging_blocks or max(16, min(layout.num_pages, GIB // layout.block_bytes))
             self.staging = ReadStaging(layout, disk, blocks, self._reader, self._removed, self.observe, on_read,
-                                       g4=g4, g4_executor=self._g4_lane)
+                                       g4=g4, g4_executor=self._g4_lane,
+                                       g4_found=self.g4_writes.learn if g4 is not None else lambda ids: None)
         self.reads = TierReads(layout, self.host, disk, self.staging, policy, self.stats,
                                self.offloads.offer_to_disk, load_timeout, lambda: self.offloads.generation)
         if disk is not None and len(disk):

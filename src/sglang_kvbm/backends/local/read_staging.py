@@ -65,14 +65,16 @@ class ReadStaging:
         on_read: Callable[[int, float], None] = lambda nbytes, seconds: None,
         g4=None,
         g4_executor: Optional[LaneExecutor] = None,
+        g4_found: Callable[[Sequence[BlockId]], None] = lambda block_ids: None,
     ) -> None:
-        """``disk`` may be None when ``g4`` (a ``G4Store``, read by ``g4_executor``) is the only source."""
+        """``disk`` may be None when ``g4`` (a ``G4Store``, read by ``g4_executor``) is the only source;
+        ``g4_found`` hears of the blocks a fetch found in G4 (the write-through need not put them again)."""
         self._disk = disk
         self._executor = executor
         self._removed = removed
         self._observe = observe
         self._on_read = on_read
-        self._g4, self._g4_executor = g4, g4_executor
+        self._g4, self._g4_executor, self._g4_found = g4, g4_executor, g4_found
         self.pool = HostBlockPool(layout.host_slab(capacity, pin=layout.is_cuda))
         header_bytes = (disk if disk is not None else g4).header_bytes  # the header row of this page size
         self.slot_bytes = header_bytes + layout.block_bytes  # what one block's read moves (the disk slot's size)
@@ -127,6 +129,10 @@ class ReadStaging:
             self._jobs.update(dict.fromkeys(ids, job))
             futures.append(future)
         return futures
+
+    @property
+    def has_g4(self) -> bool:
+        return self._g4 is not None
 
     def g4_stalled(self, after: float = 1.0) -> bool:
         """A G4 job has run longer than ``after`` seconds (a master lost mid-call takes ~4.5 s to fail)."""
@@ -240,6 +246,7 @@ class ReadStaging:
         if good:
             self.pool.commit([metas[i] for i in good], [job.rows[i] for i in good])
             self.g4_staged += len(good)
+            self._g4_found([job.ids[i] for i in good])
             self.g4_meter.record(len(job.ids) * self.slot_bytes, seconds)
 
     def forget(self) -> None:
