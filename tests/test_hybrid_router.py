@@ -39,7 +39,7 @@ def predicted(indexer, tokens, timeout: float = 20.0) -> dict:
         got = {tier: seen.get(tier, 0) for tier in ("gpu", "cpu", "disk")}
         if got["gpu"] == 0 and (got["cpu"] or got["disk"]) or time.monotonic() > deadline:
             return got
-        time.sleep(0.25)
+        time.sleep(0.25)  # the indexer applies events on its own threads: nothing to wait on but time
 
 
 @pytest.mark.parametrize("kind,tier", [("swa", "host"), ("mamba", "host"), ("swa", "disk"), ("mamba", "disk")])
