@@ -33,7 +33,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -72,7 +72,7 @@ def key_prefix(tag: str, model_name: str) -> str:
 class G4Store:
     def __init__(
         self, settings: G4Settings, *, fingerprint: bytes, model_name: str, tp_rank: int, page_size: int,
-        block_bytes: int, retry_s: float = 5.0, client: Optional[Callable[[], object]] = None,
+        block_bytes: int, retry_s: float = 5.0,
     ) -> None:
         self.settings = settings
         self.model_name = model_name
@@ -81,7 +81,6 @@ class G4Store:
         self.header_bytes = header_bytes_for(page_size)
         self.block_bytes = block_bytes
         self.retry_s = retry_s
-        self._client_factory = client
         self._client = None
         self._lent: list[torch.Tensor] = []  # host memory Mooncake moves bytes to and from, registered on connect
         self._down_until = 0.0
@@ -112,12 +111,9 @@ class G4Store:
         if unreachable:
             self._fail(f"{', '.join(unreachable)} did not accept a connection")
             return False
-        if self._client_factory is not None:
-            client = self._client_factory()
-        else:
-            from mooncake.store import MooncakeDistributedStore
+        from mooncake.store import MooncakeDistributedStore
 
-            client = MooncakeDistributedStore()
+        client = MooncakeDistributedStore()
         s = self.settings
         rc = client.setup(s.hostname, s.metadata, s.segment_bytes, s.local_buffer_bytes, s.protocol, "", s.master)
         if rc != 0:
