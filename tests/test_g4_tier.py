@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
 from sglang_kvbm.config import ConfigError, KvbmConfig
 from sglang_kvbm.integration.sglang.build import Identity
@@ -30,8 +29,8 @@ def cluster(tmp_path):
         yield c
 
 
-def worker(stack_factory, cluster, model="tiny-a", **kwargs):
-    config = {"mooncake_master": cluster.master_address, "mooncake_metadata": cluster.metadata_url}
+def worker(stack_factory, cluster, model="tiny-a", config=None, **kwargs):
+    config = {"mooncake_master": cluster.master_address, "mooncake_metadata": cluster.metadata_url, **(config or {})}
     return stack_factory(host_blocks=32, identity=Identity(model_path=model), config=config, **kwargs)
 
 
@@ -90,6 +89,21 @@ def test_a_lost_master_makes_lookups_misses_without_stalling_the_scheduler(stack
     assert sum(waits[2:]) < 0.5, waits
 
 
+def test_with_the_frequency_filter_only_reused_blocks_are_shared(stack_factory, cluster):
+    """SGLANG_KVBM_MOONCAKE_OFFLOAD_FILTER: KVBM's filter, as for disk: a one-shot prompt is not written to G4."""
+    a = worker(stack_factory, cluster, config={"mooncake_offload_filter": True})
+    written = a.insert(TOKENS, seed=3)
+    a.settle()
+    a.manager.poll()
+    assert a.manager.g4_writes.submitted == 0  # stored once: not shared
+    a.evict_all()
+    a.scramble_pool()
+    load_exact(a, TOKENS, written)  # a host hit: reused
+    g4_written(a, len(TOKENS) // a.page_size)
+    b = worker(stack_factory, cluster)
+    load_exact(b, TOKENS, written)
+
+
 def test_g4_needs_a_host_tier_and_its_metadata_server():
     with pytest.raises(ConfigError, match="needs a host tier"):
         KvbmConfig(mooncake_master="127.0.0.1:50051", mooncake_metadata="http://x/metadata").require_a_tier()
@@ -97,4 +111,3 @@ def test_g4_needs_a_host_tier_and_its_metadata_server():
         KvbmConfig(cpu_cache_gb=1, mooncake_master="127.0.0.1:50051").require_a_tier()
     with pytest.raises(ConfigError, match="SGLANG_KVBM_MOONCAKE_MASTER='nohost' is not host:port"):
         KvbmConfig.from_env({"SGLANG_KVBM_MOONCAKE_MASTER": "nohost"})
-    assert torch.tensor(0) is not None

@@ -113,6 +113,8 @@ _VARS: tuple[_Var, ...] = (
     _Var("SGLANG_KVBM_MOONCAKE_PROTOCOL", "mooncake_protocol", _protocol, "tcp (default) or rdma", text=True),
     _Var("SGLANG_KVBM_MOONCAKE_SEGMENT_GB", "mooncake_segment_gb", _gib_or_zero,
          "memory this worker lends the store (default 0: a standalone store process lends it)"),
+    _Var("SGLANG_KVBM_MOONCAKE_OFFLOAD_FILTER", "mooncake_offload_filter", _bool,
+         "write a block to G4 only once it was reused (KVBM's frequency filter), not every stored block"),
 )
 _BY_ENV = {v.env: v for v in _VARS}
 
@@ -188,6 +190,7 @@ class KvbmConfig:
     mooncake_metadata: Optional[str] = None
     mooncake_protocol: str = "tcp"
     mooncake_segment_gb: float = 0.0
+    mooncake_offload_filter: bool = False
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "KvbmConfig":

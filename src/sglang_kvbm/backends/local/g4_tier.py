@@ -53,7 +53,10 @@ class _Write(NamedTuple):
 
 
 class G4Writes:
-    def __init__(self, store, host, lane, generation: Callable[[], int], *, remember: int = 0) -> None:
+    def __init__(self, store, host, lane, generation: Callable[[], int], *, remember: int = 0,
+                 offload_filter=None) -> None:
+        """``offload_filter`` (KVBM's ``FrequencyFilter``): write a block only once it was reused, not on its
+        first store (its offers: when the host tier registers it, and each host hit)."""
         self.store = store
         self._host = host
         self._lane = lane
@@ -64,6 +67,7 @@ class G4Writes:
         self._known: collections.OrderedDict = collections.OrderedDict()  # block ids G4 holds, as far as we know
         self._remember = remember or 4 * host.capacity
         self._writes: collections.deque[_Write] = collections.deque()
+        self._filter = offload_filter
         self.submitted = self.written = 0
 
     def forget(self) -> None:
@@ -83,6 +87,8 @@ class G4Writes:
     def offer(self, metas: Sequence[BlockMeta]) -> None:
         """Host blocks just registered: put the ones G4 may not hold yet (nothing while G4 is down)."""
         todo = [m for m in metas if m.block_id not in self._known and self._host.registered(m.block_id)]
+        if self._filter is not None:
+            todo = [m for m in todo if self._filter.offer(m.block_id)]
         if not todo or self.store.down:
             return
         ids = tuple(m.block_id for m in todo)

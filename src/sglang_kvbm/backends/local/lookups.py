@@ -58,13 +58,13 @@ def _run(flags: list) -> int:
 
 
 class TierReads:
-    def __init__(self, layout, host, disk, staging, policy, stats, offer_to_disk: Callable, load_timeout: float,
+    def __init__(self, layout, host, disk, staging, policy, stats, offer_reused: Callable, load_timeout: float,
                  generation: Callable[[], int]):
         self._layout = layout
         self._host, self._disk, self._staging = host, disk, staging
         self._policy = policy
         self._stats = stats
-        self._offer_to_disk = offer_to_disk
+        self._offer_reused = offer_reused
         self._load_timeout = load_timeout
         self._generation = generation
 
@@ -188,8 +188,8 @@ class TierReads:
             if current:
                 host.unpin(plan.host_ids)
             host.release_orphans(plan.host_rows)
-            if current and reused and self._disk is not None:
-                self._offer_to_disk([host.meta_of(b) for b in plan.host_ids if host.registered(b)])
+            if current and reused:  # a host hit: a use the disk's (and G4's) frequency filter counts
+                self._offer_reused([host.meta_of(b) for b in plan.host_ids if host.registered(b)])
         if plan.staged_ids:
             if current:
                 self._staging.pool.unpin(plan.staged_ids)

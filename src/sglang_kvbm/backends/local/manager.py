@@ -64,6 +64,7 @@ class LocalBlockManager:
         reader: Optional[LaneExecutor] = None,
         load_timeout: float = 30.0,
         g4=None,
+        g4_filter: Optional[FrequencyFilter] = None,
     ) -> None:
         """``executor``, ``writer`` and ``reader`` (tests) replace the device -> host worker and the disk threads.
 
@@ -88,7 +89,8 @@ class LocalBlockManager:
             if self.host is None:
                 raise ValueError("G4 needs a host tier: it is written through from host rows")
             self._g4_lane = LaneExecutor("kvbm-g4")  # every Mooncake call: lookups' fetches ahead of writes
-            self.g4_writes = G4Writes(g4, self.host, self._g4_lane, lambda: self.offloads.generation)
+            self.g4_writes = G4Writes(g4, self.host, self._g4_lane, lambda: self.offloads.generation,
+                                      offload_filter=g4_filter)
         if disk is not None or g4 is not None:
             self._reader = reader or LaneExecutor("kvbm-disk-read")
             if disk is not None and self.host is not None:
@@ -99,12 +101,19 @@ class LocalBlockManager:
                                        g4=g4, g4_executor=self._g4_lane,
                                        g4_found=self.g4_writes.learn if g4 is not None else lambda ids: None)
         self.reads = TierReads(layout, self.host, disk, self.staging, policy, self.stats,
-                               self.offloads.offer_to_disk, load_timeout, lambda: self.offloads.generation)
+                               self._offer_reused, load_timeout, lambda: self.offloads.generation)
         if disk is not None and len(disk):
             self._announce_restored(disk.registered_metas())
 
     def store(self, request: StoreRequest) -> int:
         return self.offloads.store(request)
+
+    def _offer_reused(self, metas: Sequence[BlockMeta]) -> None:
+        """Host blocks a load just reused: to disk and G4, as their filters decide."""
+        if self.disk is not None:
+            self.offloads.offer_to_disk(metas)
+        if self.g4_writes is not None:
+            self.g4_writes.offer(metas)
 
     def poll(self) -> PollResult:
         done = self.offloads.collect()

@@ -122,6 +122,7 @@ def build_tiers(
             policy=policy, observer=observer if kv else None,  # one disk, one read meter: sidecars wait by it too
             executor=offload_executor if kv else None, writer=disk_writer if kv else None,
             reader=disk_reader if kv else None, g4=g4 if kv else None,
+            g4_filter=FrequencyFilter() if kv and g4 is not None and config.mooncake_offload_filter else None,
         ))
     manager = managers[0]
     sidecars = SidecarStores({s.name: (m, s.window) for s, m in zip(group.sidecars, managers[1:])})
