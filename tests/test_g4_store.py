@@ -39,8 +39,8 @@ class Worker:
         assert self.store.connect()
         self.rows = aligned_empty((rows, BLOCK))
         self.headers = aligned_empty((rows, self.store.header_bytes))
-        self.store.lend(self.rows)
-        self.store.lend(self.headers)
+        self.store.register_dram(self.rows)
+        self.store.register_dram(self.headers)
 
     def write(self, blocks: dict[str, int]) -> list[bool]:
         metas = []

@@ -62,8 +62,8 @@ class G4Writes:
         self._lane = lane
         self._generation = generation
         self.headers = aligned_empty((host.capacity, store.header_bytes))  # one per host row: the row's write
-        store.lend(host.slab)
-        store.lend(self.headers)
+        store.register_dram(host.slab)
+        store.register_dram(self.headers)
         self._known: collections.OrderedDict = collections.OrderedDict()  # block ids G4 holds, as far as we know
         self._remember = remember or 4 * host.capacity
         self._writes: collections.deque[_Write] = collections.deque()

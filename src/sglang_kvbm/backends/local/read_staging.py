@@ -81,8 +81,8 @@ class ReadStaging:
         self._headers = aligned_empty((capacity, header_bytes))
         for source in (disk, g4):
             if source is not None:
-                (source.register_dram if source is disk else source.lend)(self.pool.slab)
-                (source.register_dram if source is disk else source.lend)(self._headers)
+                source.register_dram(self.pool.slab)
+                source.register_dram(self._headers)
         self.g4_staged = 0
         self.g4_meter = LinearCostMeter()  # seconds per byte of a G4 fetch, for how long a lookup waits for one
         self._jobs: dict[BlockId, _ReadJob] = {}  # block being read -> its job

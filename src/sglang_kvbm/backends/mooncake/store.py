@@ -143,8 +143,13 @@ class G4Store:
             self.stats["down"] += 1
         self._down_until = time.monotonic() + self.retry_s
 
-    def lend(self, tensor: torch.Tensor) -> None:
-        """Let Mooncake move bytes to and from ``tensor`` without a copy (host slab, staging, header rows)."""
+    @property
+    def connected(self) -> bool:
+        return self._client is not None
+
+    def register_dram(self, tensor: torch.Tensor) -> None:
+        """Let Mooncake move bytes to and from ``tensor`` without a copy (host slab, staging, header rows);
+        registered now, or when it connects (``DiskStore.register_dram``'s counterpart)."""
         self._lent.append(tensor)
         if self._client is not None:
             with self._lock:

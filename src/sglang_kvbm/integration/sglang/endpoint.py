@@ -37,7 +37,7 @@ def stats_of(linker: "KvbmLinker") -> dict:
                                     "block_bytes": m.layout.block_bytes, "local": m.stats.__dict__.copy()}
                              for name, m in sidecars.items()}
     if manager.g4 is not None:  # the shared tier: what this worker wrote, fetched and rejected, and whether it is up
-        extra["g4"] = {**manager.g4.stats, "up": not manager.g4.down, "connected": manager.g4._client is not None,
+        extra["g4"] = {**manager.g4.stats, "up": not manager.g4.down, "connected": manager.g4.connected,
                        "write_through": manager.g4_writes.written, "staged": manager.staging.g4_staged}
     if manager.host is not None:
         extra["host"] = manager.host.accounting()
