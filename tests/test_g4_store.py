@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from sglang_kvbm.backends.mooncake.store import G4Settings, G4Store, key_prefix
+from sglang_kvbm.backends.mooncake.store import G4Settings, G4Store, key_prefix, object_suffix
 from sglang_kvbm.core.ports import BlockMeta, EventIdentity
 from sglang_kvbm.kv_layout import aligned_empty
 from sglang_kvbm.testing.mooncake import MooncakeCluster
@@ -34,7 +34,7 @@ class Worker:
 
     def __init__(self, cluster, fingerprint=IDENTITY, rows=8, lend=0):
         settings = G4Settings(cluster.master_address, cluster.metadata_url, segment_bytes=lend)
-        self.store = G4Store(settings, fingerprint=fingerprint, model_name="org/tiny", tp_rank=0, page_size=PAGE,
+        self.store = G4Store(settings, fingerprint=fingerprint, model_name="org/tiny", suffix="_0_k", page_size=PAGE,
                              block_bytes=BLOCK, retry_s=30.0)
         assert self.store.connect()
         self.rows = aligned_empty((rows, BLOCK))
@@ -60,9 +60,13 @@ def expected(seed: int) -> torch.Tensor:
 
 def test_keys_are_sglang_hicache_keys_with_the_identity_in_the_tag():
     store = G4Store(G4Settings("127.0.0.1:1", "P2PHANDSHAKE"), fingerprint=IDENTITY, model_name="Qwen/Qwen3-0.6B",
-                    tp_rank=1, page_size=PAGE, block_bytes=BLOCK)
+                    suffix=object_suffix(1), page_size=PAGE, block_bytes=BLOCK)
     assert key_prefix("kvbm-x", "Qwen/Qwen3-0.6B") == "kvbm-x_Qwen-Qwen3-0.6B"  # SGLang's `config_prefix`
     assert store.key("ab" * 32) == f"kvbm-{IDENTITY.hex()[:16]}_Qwen-Qwen3-0.6B_{'ab' * 32}_1_k"
+    assert store.tag == f"kvbm-{IDENTITY.hex()[:16]}"
+    # SGLang's mha_suffix / mla_suffix (MooncakeStore): MLA's latent is one object for every TP rank
+    assert [object_suffix(3), object_suffix(3, mla=True), object_suffix(1, pp_rank=2, pp_size=4),
+            object_suffix(1, mla=True, pp_rank=2, pp_size=4)] == ["_3_k", "__k", "_1_2_k", "_2_k"]
 
 
 def test_a_block_written_by_one_worker_is_read_verified_by_another_and_outlives_its_writer(cluster):

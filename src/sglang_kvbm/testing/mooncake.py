@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -42,6 +43,8 @@ class MooncakeCluster:
         self.lend = lend
         self.master: Optional[subprocess.Popen] = None
         self.lender: Optional[subprocess.Popen] = None
+        self.relay: Optional[subprocess.Popen] = None
+        self.events_endpoint: Optional[str] = None
 
     @property
     def master_address(self) -> str:
@@ -76,6 +79,20 @@ class MooncakeCluster:
         ], "lender")
         self._wait(lambda: self.capacity() > 0, timeout, "lender")
 
+    def start_relay(self, interval: float = 0.2) -> str:
+        """``sglang-kvbm mooncake-events`` beside the master (this interpreter's): the endpoint routers subscribe to."""
+        self.events_endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.relay = self._spawn([
+            sys.executable, "-m", "sglang_kvbm.cli", "mooncake-events", f"--master-http=127.0.0.1:{self.admin_port}",
+            f"--bind={self.events_endpoint}", f"--interval={interval}",
+        ], "relay")
+        return self.events_endpoint
+
+    def keys(self) -> set[str]:
+        """Every object name the master holds."""
+        text = requests.get(f"http://127.0.0.1:{self.admin_port}/get_all_keys", timeout=5).text
+        return {line for line in text.splitlines() if line}
+
     def capacity(self) -> int:
         """Bytes lent to the store, from the master's metrics."""
         text = requests.get(f"http://127.0.0.1:{self.admin_port}/metrics", timeout=2).text
@@ -106,7 +123,7 @@ class MooncakeCluster:
             proc.wait(timeout=30)
 
     def stop(self) -> None:
-        for name in ("lender", "master"):  # lenders first: the master outlives its clients
+        for name in ("relay", "lender", "master"):  # lenders first: the master outlives its clients
             proc = getattr(self, name)
             setattr(self, name, None)
             if proc is not None:

@@ -2,11 +2,15 @@
 
 One object per block, named as SGLang's HiCache names its L3 pages on Mooncake
 (``mem_cache/storage/mooncake_store/mooncake_store.py``: ``{tag}_{model}_{page
-hash}_{tp rank}_k``), so the names Dynamo's router derives from request tokens
-(``--shared-cache-type hicache``) are ours too. The tag carries the server's
-identity (the disk tier's fingerprint: model, weights, KV dtype and layout, pool
-shape, rank), so a server of another identity never reads these objects; a
-namespaced page (``cache_salt``, LoRA) has a namespaced hash already.
+hash}_{tp rank}_k``, ``..._{page hash}__k`` for MLA), so the names Dynamo's
+router derives from request tokens (``--shared-cache-type hicache``) are ours
+too. The tag carries the server's identity (the disk tier's fingerprint: model,
+weights, KV dtype and layout, pool shape, TP/PP sizes; not the rank, which the
+name's suffix carries as SGLang's does, so every rank of a worker shares the tag
+the router is told), so a server of another identity never reads these objects;
+a namespaced page (``cache_salt``, LoRA) has a namespaced hash already. One
+object holds a rank's K and V together (SGLang writes ``_k`` and ``_v``):
+:mod:`sglang_kvbm.backends.mooncake.events` announces it under both names.
 
 An object is the disk tier's slot, byte for byte: a header row (``disk.format``:
 block id, identity, xxh3 of the block, token ids, event identity) then the
@@ -52,6 +56,7 @@ from sglang_kvbm.core.ports import BlockMeta
 logger = logging.getLogger(__name__)
 
 RPC_FAIL = -900  # the master did not answer (Mooncake's ErrorCode::RPC_FAIL)
+TAG_PREFIX = "kvbm-"  # every tag this library writes under starts so (the events relay recognises them by it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,15 +74,24 @@ def key_prefix(tag: str, model_name: str) -> str:
     return "_".join(part for part in (tag, model_name.replace("/", "-")) if part)
 
 
+def object_suffix(tp_rank: int, *, mla: bool = False, pp_rank: int = 0, pp_size: int = 1) -> str:
+    """What follows the page hash in SGLang's ``MooncakeStore`` names (``mha_suffix``/``mla_suffix`` + ``_k``):
+    ``_{tp}_k`` (``_{tp}_{pp}_k`` under PP) for MHA; MLA's latent is the same on every TP rank: ``__k``
+    (``_{pp}_k``)."""
+    if mla:
+        return f"_{pp_rank}_k" if pp_size > 1 else "__k"
+    return f"_{tp_rank}_{pp_rank}_k" if pp_size > 1 else f"_{tp_rank}_k"
+
+
 class G4Store:
     def __init__(
-        self, settings: G4Settings, *, fingerprint: bytes, model_name: str, tp_rank: int, page_size: int,
+        self, settings: G4Settings, *, fingerprint: bytes, model_name: str, suffix: str, page_size: int,
         block_bytes: int, retry_s: float = 5.0,
     ) -> None:
         self.settings = settings
         self.model_name = model_name
         self.rekey(fingerprint)
-        self.tp_rank = tp_rank
+        self.suffix = suffix  # object_suffix(): the rank's part of every name
         self.header_bytes = header_bytes_for(page_size)
         self.block_bytes = block_bytes
         self.retry_s = retry_s
@@ -90,10 +104,11 @@ class G4Store:
     def rekey(self, fingerprint: bytes) -> None:
         """Read and write under another identity from now on (weights replaced in memory: see ``weight_updates``)."""
         self.fingerprint = fingerprint
-        self.prefix = key_prefix("kvbm-" + fingerprint.hex()[:16], self.model_name)
+        self.tag = TAG_PREFIX + fingerprint.hex()[:16]  # SGLang's extra_backend_tag, as Dynamo's router is told it
+        self.prefix = key_prefix(self.tag, self.model_name)
 
     def key(self, block_id: BlockId) -> str:
-        return f"{self.prefix}_{block_id}_{self.tp_rank}_k"
+        return f"{self.prefix}_{block_id}{self.suffix}"
 
     # -- connection -------------------------------------------------------------------------
 
@@ -122,8 +137,8 @@ class G4Store:
         for tensor in self._lent:
             self._register(client, tensor)
         self._client = client
-        logger.info("kvbm: G4 joined Mooncake master %s as %s (lends %d bytes, objects %s_<page>_%d_k)",
-                    s.master, client.get_hostname(), s.segment_bytes, self.prefix, self.tp_rank)
+        logger.info("kvbm: G4 joined Mooncake master %s as %s (lends %d bytes, objects %s_<page>%s)",
+                    s.master, client.get_hostname(), s.segment_bytes, self.prefix, self.suffix)
         return True
 
     @property

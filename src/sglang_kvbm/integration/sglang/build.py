@@ -9,9 +9,11 @@ block size that differs from the page size.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 import math
 import os
+import sys
 from typing import Any, Mapping, Optional
 
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -23,6 +25,7 @@ from sglang_kvbm.backends.local.sidecars import SidecarStores
 from sglang_kvbm.config import GIB, ConfigError, KvbmConfig
 from sglang_kvbm.core.offload_filter import FrequencyFilter
 from sglang_kvbm.core.onboard_policy import OnboardPolicy
+from sglang_kvbm.integration.sglang import l3_layout
 from sglang_kvbm.integration.sglang.fingerprint import server_fingerprint
 from sglang_kvbm.integration.sglang.pool_group import PoolGroup, describe_pools
 from sglang_kvbm.kv_layout import PagedKvLayout
@@ -139,27 +142,42 @@ def build_tiers(
         sum(m.host.capacity * m.layout.block_bytes for m in managers if m.host is not None) / GIB, ", pinned" if layout.is_cuda else "",
         "off" if disk is None else f"{disk_blocks} blocks ({sum(m.disk.num_slots * m.disk.slot_bytes for m in managers) / GIB:.2f} "
         f"GiB) in {config.disk_cache_dir}, offload filter {'off' if config.disable_disk_offload_filter else 'on'}",
-        "off" if g4 is None else f"Mooncake master {config.mooncake_master}, objects {g4.prefix}_<page hash>_"
-        f"{g4.tp_rank}_k, write-through from host",
+        "off" if g4 is None else f"Mooncake master {config.mooncake_master}, objects {g4.prefix}_<page hash>"
+        f"{g4.suffix}, write-through from host",
     )
     return Tiers(layout, manager, policy, group, sidecars)
 
 
 def _g4(config: KvbmConfig, identity: Identity, group: PoolGroup, layout: PagedKvLayout, kvcache):
     """The shared tier's client (it connects on the G4 thread, retrying while the master does not answer)."""
-    from sglang_kvbm.backends.mooncake.store import G4Settings, G4Store
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
+    from sglang_kvbm.backends.mooncake.store import G4Settings, G4Store, object_suffix
+
+    if importlib.util.find_spec("mooncake") is None:
+        raise ConfigError("SGLANG_KVBM_MOONCAKE_MASTER is set but Mooncake's client is not installed in this "
+                          "environment: pip install 'sglang-kvbm[mooncake]' (or [mooncake-cuda]), or unset it")
     if group.sidecars:
         logger.warning("kvbm: G4 (SGLANG_KVBM_MOONCAKE_MASTER) holds full-attention KV only; this model's "
                        "sliding-window/Mamba state is not shared yet, so G4 is off for it")
         return None
+    ranks = identity.ranks
+    # One tag for every rank of the worker (the router is told one): the rank is in each name's suffix instead.
+    shared = {**ranks, "tp_rank": 0, "dp_rank": 0, "attn_cp_rank": 0}
     fingerprint, _ = server_fingerprint(identity.model_path, layout, kvcache, revision=identity.revision,
-                                        settings=identity.settings, ranks=identity.ranks, download_dir=identity.download_dir)
+                                        settings=identity.settings, ranks=shared, download_dir=identity.download_dir)
     settings = G4Settings(config.mooncake_master, config.mooncake_metadata, config.mooncake_protocol,
                           int(config.mooncake_segment_gb * GIB), hostname=_advertised_host(config.mooncake_master))
     name = identity.served_model_name or os.path.basename(identity.model_path.rstrip("/"))
-    return G4Store(settings, fingerprint=fingerprint, model_name=name, tp_rank=int(identity.ranks.get("tp_rank", 0)),
-                   page_size=layout.page_size, block_bytes=layout.block_bytes)
+    mla = isinstance(kvcache, MLATokenToKVPool)
+    suffix = object_suffix(int(ranks.get("tp_rank", 0)), mla=mla,
+                           pp_rank=int(ranks.get("pp_rank", 0)), pp_size=int(ranks.get("pp_size", 1)))
+    g4 = G4Store(settings, fingerprint=fingerprint, model_name=name, suffix=suffix,
+                 page_size=layout.page_size, block_bytes=layout.block_bytes)
+    if "sglang.srt.managers.scheduler" in sys.modules:  # under SGLang's scheduler: tell routers the objects' names
+        l3_layout.advertise(l3_layout.layout(g4, page_size=layout.page_size, tp_size=int(ranks.get("tp_size", 1)),
+                                             pp_size=int(ranks.get("pp_size", 1)), mla=mla))
+    return g4
 
 
 def _advertised_host(master: str) -> str:

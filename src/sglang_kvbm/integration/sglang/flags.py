@@ -15,6 +15,7 @@ SGLang process.
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any, Optional
 
 from sglang_kvbm.config import ConfigError, KvbmConfig
@@ -60,9 +61,14 @@ def translate(server_args: Any) -> None:
             "--radix-cache-backend kvbm sets --unified-cache-external-linker-config itself: remove that flag"
         )
     check_installed_sglang()
-    KvbmConfig.from_sources(json_text=kvbm_config).require_a_tier()
+    config = KvbmConfig.from_sources(json_text=kvbm_config)
+    config.require_a_tier()
     events = check_kv_events_config(cfg.kv_events_config, cfg.page_size or 1)  # the page size may be unresolved yet
     warn_if_dynamo_will_not_connect(events)
+    if config.has_g4 and "dynamo.sglang" in sys.modules:  # Dynamo's router learns G4's names from the registration
+        from sglang_kvbm.integration.dynamo_registration import install
+
+        install()
     declare_resolution(
         server_args,
         SOURCE,
