@@ -37,6 +37,9 @@ class Worker:
     def stats(self) -> dict:
         return requests.get(f"http://127.0.0.1:{self.http}/stats", timeout=30).json()
 
+    def tiers(self, prompt) -> dict:
+        return requests.post(f"http://127.0.0.1:{self.http}/tiers", json={"token_ids": list(prompt)}, timeout=30).json()
+
     def wait_for(self, what, timeout: float = 60.0) -> dict:
         deadline = time.monotonic() + timeout
         while True:
@@ -56,6 +59,8 @@ def test_a_prefix_computed_on_one_server_is_a_g4_hit_on_another(model_dir, stock
             assert same_output(a.server.generate(prompts["A"], max_new_tokens=8), stock_results["A"])
             written = a.wait_for(lambda s: s["g4"]["write_through"] >= pages)["g4"]
             assert written["write_through"] >= pages, written
+            # B's own tiers hold nothing of it; G4 holds its pages (POST /tiers asks Mooncake)
+            assert b.tiers(prompts["A"]) == {"device": 0, "host": 0, "disk": 0, "g4": pages * 4}
             assert_g4_hit(b, prompts["A"], pages, stock_results["A2"])
         # A stopped, B restarted (a new process, nothing in its own tiers): the lender kept A's objects
         b = Worker("b2", model_dir, cluster, tmp_path)
@@ -65,6 +70,7 @@ def test_a_prefix_computed_on_one_server_is_a_g4_hit_on_another(model_dir, stock
             for name in ("B", "C"):  # new prompts: the G4 lookups fail, nothing else does
                 assert same_output(b.server.generate(prompts[name], max_new_tokens=8), stock_results[name])
             assert b.stats()["g4"]["down"] >= 1
+            assert b.tiers(prompts["A"])["g4"] is None  # G4 unreachable: /tiers says so
 
 
 def assert_g4_hit(worker, prompt, pages, reference) -> None:

@@ -8,13 +8,13 @@ thread between steps.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, Optional
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from sglang_kvbm.config import KvbmConfig
 from sglang_kvbm.http_server import KvbmHttpServer, json_reply
+from sglang_kvbm.integration.sglang.tier_query import g4_tokens
 from sglang_kvbm.metrics import KvbmMetrics
 
 if TYPE_CHECKING:
@@ -87,7 +87,10 @@ def start_http(linker: "KvbmLinker", config: KvbmConfig, metrics: Optional[KvbmM
         if not all(isinstance(t, int) and t >= 0 for t in token_ids):
             return json_reply({"error": "token_ids must be non-negative integers"}, 400)
         answer = linker.query_tiers(token_ids, extra_key=body.get("extra_key"), cache_salt=body.get("cache_salt"))
-        return json_reply(dataclasses.asdict(answer))
+        reply = answer.counts()
+        if linker.manager.g4 is not None:  # null: G4 configured but not reachable now
+            reply["g4"] = g4_tokens(linker.manager.g4, answer, linker.page_size)
+        return json_reply(reply)
 
     routes = {
         ("POST", "/tiers"): tiers,

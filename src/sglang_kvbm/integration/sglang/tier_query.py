@@ -26,6 +26,10 @@ class TierTokens:
     device: int
     host: int
     disk: int
+    beyond: tuple = dataclasses.field(default=(), compare=False, repr=False)  # block ids past ``disk``: G4's to answer
+
+    def counts(self) -> dict:
+        return {"device": self.device, "host": self.host, "disk": self.disk}
 
 
 def tier_tokens(cache, connector: KvbmConnector, token_ids, *, extra_key=None, cache_salt=None,
@@ -42,7 +46,17 @@ def tier_tokens(cache, connector: KvbmConnector, token_ids, *, extra_key=None, c
     host, lower = connector.peek(rest)
     if sidecars:
         host, lower = sidecars.longest(rest, host), sidecars.longest(rest, lower)
-    return TierTokens(device, device + host * ps, device + lower * ps)
+    return TierTokens(device, device + host * ps, device + lower * ps, tuple(rest[lower:]))
+
+
+def g4_tokens(g4, answer: TierTokens, page_size: int):
+    """Tokens every tier down to G4 would serve (any thread but the scheduler's: it asks Mooncake), or None while
+    G4 is not connected or marked down."""
+    if not g4.connected or g4.down:
+        return None
+    found = g4.contains(list(answer.beyond)) if answer.beyond else []
+    run = next((i for i, hit in enumerate(found) if not hit), len(found))
+    return None if g4.down else answer.disk + run * page_size
 
 
 class TierQueries:
