@@ -26,6 +26,8 @@ the whole copy). Target: linker <= 1.10x the tree without it, without that wait.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import random
 import sys
 import time
@@ -35,6 +37,7 @@ from collections import defaultdict
 import torch
 from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -47,7 +50,6 @@ from common import save_plot, table, verdict
 from sglang_kvbm import KvbmConfig
 from sglang_kvbm.integration.sglang.custom import build_cache, ensure_runtime_context
 
-PAGE = 16
 KINDS = ("UnifiedRadixCache", "UnifiedRadixCache+KvbmLinker", "RadixCache")
 CALLS = ["check_hicache_events", "match_prefix", "init_load_back", "ready_to_load", "insert", "evict", "lock",
          "unlock", "take_events"]
@@ -68,14 +70,17 @@ def trace(requests: int, seed: int = 0):
     return out
 
 
-def build(kind: str, pool_tokens: int, host_blocks: int):
-    kvcache = MHATokenToKVPool(pool_tokens, PAGE, torch.bfloat16, 2, 64, 2, "cpu", False)
-    allocator = PagedTokenToKVPoolAllocator(pool_tokens, PAGE, torch.bfloat16, "cpu", kvcache, need_sort=False)
+def build(kind: str, pool_tokens: int, host_blocks: int, page: int):
+    kvcache = MHATokenToKVPool(pool_tokens, page, torch.bfloat16, 2, 64, 2, "cpu", False)
+    if page == 1:  # what SGLang builds at its default page size
+        allocator = TokenToKVPoolAllocator(pool_tokens, torch.bfloat16, "cpu", kvcache, need_sort=False)
+    else:
+        allocator = PagedTokenToKVPoolAllocator(pool_tokens, page, torch.bfloat16, "cpu", kvcache, need_sort=False)
     params = CacheInitParams(
         disable=False,
         req_to_token_pool=ReqToTokenPool(size=8, max_context_len=8192, device="cpu", enable_memory_saver=False),
         token_to_kv_pool_allocator=allocator,
-        page_size=PAGE,
+        page_size=page,
     )
     ensure_runtime_context("cpu")
     if kind == "RadixCache":
@@ -87,10 +92,16 @@ def build(kind: str, pool_tokens: int, host_blocks: int):
     return cache.tree, allocator, cache
 
 
-def replay(cache, allocator, requests, linked: bool) -> dict[str, float]:
+def replay(cache, allocator, requests, linked: bool, page: int, prof=None) -> dict[str, float]:
     spent: dict[str, float] = defaultdict(float)
 
     def timed(name, fn, *args):
+        if prof is not None and name != "finish_loads_wait":  # the profile: the cache calls' code only
+            prof.enable()
+            try:
+                return fn(*args)
+            finally:
+                prof.disable()
         start = time.perf_counter()
         result = fn(*args)
         spent[name] += time.perf_counter() - start
@@ -121,7 +132,7 @@ def replay(cache, allocator, requests, linked: bool) -> dict[str, float]:
                 else:
                     hits["host"] += loaded
                     prefix = torch.cat([prefix, loaded_slots])
-        full = len(tokens) // PAGE * PAGE
+        full = len(tokens) // page * page
         need = full - len(prefix)
         if need > 0:
             if allocator.available_size() < need:
@@ -146,26 +157,79 @@ def replay(cache, allocator, requests, linked: bool) -> dict[str, float]:
     return spent
 
 
+def owner_of(path: str) -> str | None:
+    """Whose code a profiled function is: this library's, SGLang's, PyTorch's; None for Python's own and C."""
+    if "sglang_kvbm" in path:
+        return "sglang-kvbm"
+    if "/sglang/" in path:
+        return "SGLang"
+    if "/torch/" in path:
+        return "PyTorch"
+    if path.endswith("critical_path.py"):
+        return "benchmark"
+    return None
+
+
+def profile_split(prof: cProfile.Profile) -> dict[str, float]:
+    """Seconds of own time by owner. Time in C functions and Python's standard library (locks, queues,
+    ``threading``) goes to the owner of the code that called them, through as many such frames as it takes."""
+    stats = pstats.Stats(prof).stats
+    memo: dict = {}
+
+    def resolve(key, seen=()) -> str:
+        if key in memo:
+            return memo[key]
+        found = owner_of(key[0])
+        if found is None:
+            callers = stats.get(key, (0, 0, 0, 0, {}))[4]
+            best = max(callers.items(), key=lambda item: item[1][2], default=None)
+            found = "Python/C" if best is None or best[0] in seen else resolve(best[0], seen + (key,))
+        memo[key] = found
+        return found
+
+    split: dict[str, float] = defaultdict(float)
+    for key, (_, _, own, _, callers) in stats.items():
+        if owner_of(key[0]) is not None or not callers:
+            split[resolve(key)] += own
+            continue
+        for caller, (_, _, from_caller, _) in callers.items():
+            split[resolve(caller)] += from_caller
+    return split
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=1500)
     parser.add_argument("--pool", type=int, default=8192, help="device pool, tokens")
-    parser.add_argument("--host-blocks", type=int, default=4096)
+    parser.add_argument("--host-blocks", type=int, default=4096,
+                        help="host tier in 16-token blocks (scaled with --page-size to the same bytes)")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per page (SGLang's default is 1)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also replay each cache under cProfile: whose code the scheduler-thread time is")
     args = parser.parse_args(argv)
+    page = args.page_size
     requests = trace(args.requests)
+    host_blocks = args.host_blocks * 16 // page  # the same host bytes at every page size
     print(f"# {len(requests)} requests, {sum(map(len, requests))} prompt tokens, device pool {args.pool} tokens, "
-          f"page {PAGE}, host tier {args.host_blocks} blocks")
-    results = {}
+          f"page {page}, host tier {host_blocks} blocks ({host_blocks * page} tokens)")
+    results, splits = {}, {}
     for kind in KINDS:
         linked = kind.endswith("KvbmLinker")
-        cache, allocator, owner = build(kind, args.pool, args.host_blocks)
-        replay(cache, allocator, requests[:50], linked)  # warm up (hash extension, allocator paths)
+        cache, allocator, owner = build(kind, args.pool, host_blocks, page)
+        replay(cache, allocator, requests[:50], linked, page)  # warm up (hash extension, allocator paths)
         if owner is not None:
             owner.close()
-        cache, allocator, owner = build(kind, args.pool, args.host_blocks)
-        results[kind] = replay(cache, allocator, requests, linked)
+        cache, allocator, owner = build(kind, args.pool, host_blocks, page)
+        results[kind] = replay(cache, allocator, requests, linked, page)
         if owner is not None:
             owner.close()
+        if args.profile:
+            cache, allocator, owner = build(kind, args.pool, host_blocks, page)
+            prof = cProfile.Profile()
+            replay(cache, allocator, requests, linked, page, prof)
+            splits[kind] = profile_split(prof)
+            if owner is not None:
+                owner.close()
     base = results["UnifiedRadixCache"]["total"]
     rows = []
     for kind, spent in results.items():
@@ -177,6 +241,16 @@ def main(argv=None) -> int:
     ratio = results["UnifiedRadixCache+KvbmLinker"]["total"] / base
     print(f"\nUnifiedRadixCache+KvbmLinker / UnifiedRadixCache = {ratio:.2f} in cache calls "
           f"(without the load wait the forward covers): target {verdict(ratio, 1.10)}")
+    if splits:
+        owners = ["SGLang", "sglang-kvbm", "PyTorch", "Python/C"]
+        rows = []
+        for kind, split in splits.items():
+            profiled = sum(split[o] for o in owners)  # inside the timed cache calls only (benchmark: ~0)
+            per_request = results[kind]["total"] / len(requests) * 1e6  # unprofiled us/request, split by share
+            rows.append([kind, per_request] + [per_request * split.get(o, 0.0) / profiled for o in owners])
+        print("\nWhose scheduler-thread time (cProfile shares of each replay, applied to the unprofiled us/request; "
+              "C calls count for their caller):")
+        print(table(["cache", "us/request"] + [f"{o} us" for o in owners], rows))
 
     def draw(ax):
         names = list(results)
