@@ -46,13 +46,14 @@ from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.sampling.sampling_params import SamplingParams
 
+import hicache_inproc
 from common import save_plot, table, verdict
 from sglang_kvbm import KvbmConfig
 from sglang_kvbm.integration.sglang.custom import build_cache, ensure_runtime_context
 
-KINDS = ("UnifiedRadixCache", "UnifiedRadixCache+KvbmLinker", "RadixCache")
-CALLS = ["check_hicache_events", "match_prefix", "init_load_back", "ready_to_load", "insert", "evict", "lock",
-         "unlock", "take_events"]
+KINDS = ("UnifiedRadixCache", "UnifiedRadixCache+KvbmLinker", "HiRadixCache", "RadixCache")
+CALLS = ["check_hicache_events", "match_prefix", "init_load_back", "ready_to_load", "insert", "flush_backups",
+         "evict", "lock", "unlock", "take_events"]
 
 
 def trace(requests: int, seed: int = 0):
@@ -88,11 +89,14 @@ def build(kind: str, pool_tokens: int, host_blocks: int, page: int):
     if kind == "UnifiedRadixCache":
         params.tree_components = (ComponentType.FULL,)
         return UnifiedRadixCache(params), allocator, None
+    if kind == "HiRadixCache":  # SGLang's HiCache: the same tree with its own host tier, as many bytes as ours
+        params.tree_components = (ComponentType.FULL,)
+        return hicache_inproc.build(params, pool_tokens, host_blocks * page), allocator, None
     cache = build_cache(params, KvbmConfig(cpu_cache_blocks=host_blocks))
     return cache.tree, allocator, cache
 
 
-def replay(cache, allocator, requests, linked: bool, page: int, prof=None) -> dict[str, float]:
+def replay(cache, allocator, requests, linked: bool, page: int, prof=None, gap: bool = True) -> dict[str, float]:
     spent: dict[str, float] = defaultdict(float)
 
     def timed(name, fn, *args):
@@ -110,6 +114,8 @@ def replay(cache, allocator, requests, linked: bool, page: int, prof=None) -> di
     hits = {"device": 0, "host": 0}
     for i, tokens in enumerate(requests):
         if linked:
+            if gap:  # the forward the copies run behind in a server: the previous request's copies are done (untimed)
+                cache.linker.cache_linker.manager.wait(30)
             timed("check_hicache_events", cache.check_hicache_events)
         req = Req(f"r{i}", "", array("q", tokens), SamplingParams(max_new_tokens=1))
         key = RadixKey(array("q", tokens), limit=len(tokens) - 1)
@@ -204,9 +210,16 @@ def main(argv=None) -> int:
     parser.add_argument("--host-blocks", type=int, default=4096,
                         help="host tier in 16-token blocks (scaled with --page-size to the same bytes)")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per page (SGLang's default is 1)")
+    parser.add_argument("--no-gap", action="store_true",
+                        help="no time between requests for the linker's copies (no forward to run behind): nodes "
+                             "stay locked by offloads in flight, loads find no room and recompute")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (1: OpenMP threads spinning on 2 cores starve the scheduler thread "
+                             "whenever a copy runs; a GPU server's copies are not CPU threads)")
     parser.add_argument("--profile", action="store_true",
                         help="also replay each cache under cProfile: whose code the scheduler-thread time is")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     page = args.page_size
     requests = trace(args.requests)
     host_blocks = args.host_blocks * 16 // page  # the same host bytes at every page size
@@ -215,15 +228,16 @@ def main(argv=None) -> int:
     results, splits = {}, {}
     for kind in KINDS:
         linked = kind.endswith("KvbmLinker")
-        cache, allocator, owner = build(kind, args.pool, host_blocks, page)
-        replay(cache, allocator, requests[:50], linked, page)  # warm up (hash extension, allocator paths)
-        if owner is not None:
-            owner.close()
-        cache, allocator, owner = build(kind, args.pool, host_blocks, page)
-        results[kind] = replay(cache, allocator, requests, linked, page)
-        if owner is not None:
-            owner.close()
-        if args.profile:
+        run = (lambda c, a, r, prof=None: hicache_inproc.replay(c, a, r, page)) if kind == "HiRadixCache" else (
+            lambda c, a, r, prof=None: replay(c, a, r, linked, page, prof, not args.no_gap))
+        for rounds in (requests[:50], requests):  # a warm-up (hash extension, allocator paths), then the run
+            cache, allocator, owner = build(kind, args.pool, host_blocks, page)
+            results[kind] = run(cache, allocator, rounds)
+            if owner is not None:
+                owner.close()
+            if kind == "HiRadixCache":
+                hicache_inproc.close(cache)
+        if args.profile and kind != "HiRadixCache":
             cache, allocator, owner = build(kind, args.pool, host_blocks, page)
             prof = cProfile.Profile()
             replay(cache, allocator, requests, linked, page, prof)
@@ -234,10 +248,16 @@ def main(argv=None) -> int:
     rows = []
     for kind, spent in results.items():
         rows.append([kind, spent["total"] * 1e3, spent["total"] / base, spent["total"] / len(requests) * 1e6,
-                     spent.get("finish_loads_wait", 0.0) * 1e3, int(spent["device_hit_tokens"]),
-                     int(spent["host_hit_tokens"])] + [spent.get(c, 0.0) * 1e3 for c in CALLS])
-    print(table(["cache", "total ms", "vs tree", "us/request", "load wait ms", "device hit tok", "host hit tok"]
-                + [f"{c} ms" for c in CALLS], rows))
+                     spent.get("finish_loads_wait", 0.0) * 1e3, spent.get("copies", 0.0) * 1e3,
+                     int(spent["device_hit_tokens"]), int(spent["host_hit_tokens"])]
+                    + [spent.get(c, 0.0) * 1e3 for c in CALLS])
+    print(table(["cache", "total ms", "vs tree", "us/request", "load wait ms", "copies ms", "device hit tok",
+                 "host hit tok"] + [f"{c} ms" for c in CALLS], rows))
+    print("(total: the cache calls without the load wait, and for HiRadixCache without its copies, which run inside "
+          "its calls on CPU: `copies ms`, in ready_to_load and flush_backups)")
+    linker, peer = results["UnifiedRadixCache+KvbmLinker"], results["HiRadixCache"]
+    print(f"KvbmLinker / HiRadixCache per request = {linker['total'] / peer['total']:.2f} (target <= 1.00); "
+          f"per host-hit token = {linker['total'] / max(linker['host_hit_tokens'], 1) / (peer['total'] / max(peer['host_hit_tokens'], 1)):.2f}")
     ratio = results["UnifiedRadixCache+KvbmLinker"]["total"] / base
     print(f"\nUnifiedRadixCache+KvbmLinker / UnifiedRadixCache = {ratio:.2f} in cache calls "
           f"(without the load wait the forward covers): target {verdict(ratio, 1.10)}")

@@ -77,3 +77,17 @@ def test_lru_walks_a_pinned_block_at_most_once_and_gives_up_at_once_when_all_are
     assert lru.pop_victim() is None  # every block pinned: no walk at all
     lru.unpin([5])
     assert lru.pop_victim() == (5, 5)
+
+
+def test_lru_pins_count_each_holder_and_touch_orders_a_prefix_head_last():
+    lru = LruIndex()
+    lru.add(["a", "b", "c", "d"], [0, 1, 2, 3])
+    lru.pin(["a", "b"])
+    lru.pin(["b", "c", "c"])  # two loads share b; a repeated id is two pins
+    assert lru.pinned_count() == 3
+    lru.unpin(["b", "c"])
+    assert lru.pinned_count() == 3  # b and c are still held once each
+    lru.unpin(["a", "b", "c"])
+    assert lru.pinned_count() == 0
+    lru.touch(["c", "x", "a"])  # x is not held: ignored; the head (c) ends most recent
+    assert [b for b, _ in lru.items()] == ["b", "d", "a", "c"]

@@ -74,3 +74,6 @@ def test_host_and_disk_hits_at_page_size(page, model_dir, stock_results, tmp_pat
             server.generate([5, 6, 7], max_new_tokens=1)  # a step: the scheduler collects finished disk writes
             time.sleep(0.2)
         assert same_output(served("A", "disk", "onboard_blocks_d2d"), stock_results["A2"])
+    # the start-up log says what a small page costs, and what to use instead
+    warned = "makes every token a block" in (tmp_path / "server.log").read_text()
+    assert warned == (page == 1)

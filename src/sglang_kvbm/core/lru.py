@@ -12,7 +12,9 @@ walks the tier.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+import operator
+from collections import Counter, OrderedDict, deque
+from itertools import compress
 from typing import Hashable, Iterable, Optional, Sequence
 
 
@@ -45,19 +47,15 @@ class LruIndex:
 
     def touch(self, block_ids: Sequence[Hashable]) -> None:
         """Make these blocks most recently used, the first one last (a prefix's head outlives its tail)."""
-        move = self._slots.move_to_end
-        for block_id in reversed(block_ids):
-            if block_id in self._slots:
-                move(block_id)
+        slots = self._slots
+        deque(map(slots.move_to_end, filter(slots.__contains__, reversed(block_ids))), maxlen=0)  # in C
 
     def pin(self, block_ids: Sequence[Hashable]) -> list[int]:
         """Keep blocks from eviction while their slots are read; returns the slots. Every id must be held."""
         slots = list(map(self._slots.__getitem__, block_ids))
         pins = self._pins
-        for block_id in block_ids:
-            count = pins[block_id]
-            self._pinned += count <= 0
-            pins[block_id] = count + 1
+        self._pinned += len(set(compress(block_ids, map(operator.not_, map(pins.get, block_ids)))))  # 0 or None
+        pins.update(block_ids)  # Counter's counting loop is C
         return slots
 
     def unpin(self, block_ids: Sequence[Hashable]) -> None:

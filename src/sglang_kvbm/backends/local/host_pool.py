@@ -10,6 +10,7 @@ reused only after its block was dropped *and* no copy can still use it.
 
 from __future__ import annotations
 
+import operator
 from typing import Optional, Sequence
 
 import torch
@@ -41,6 +42,10 @@ class HostBlockPool:
     def holds(self, block_id: BlockId) -> bool:
         """Registered, or on its way (a copy is writing it)."""
         return block_id in self._index or block_id in self._inflight
+
+    def held(self, block_ids: Sequence[BlockId]) -> list[bool]:
+        """``holds`` of each block, in C (``map``)."""
+        return list(map(operator.or_, map(self._index.contains, block_ids), map(self._inflight.__contains__, block_ids)))
 
     def registered(self, block_id: BlockId) -> bool:
         return block_id in self._index

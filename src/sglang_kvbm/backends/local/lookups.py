@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import operator
 from concurrent.futures import wait
+from itertools import compress, repeat
 from typing import Callable, Sequence
 
 from sglang_kvbm.core.identity import BlockId
@@ -137,7 +138,8 @@ class TierReads:
     def acquire(self, block_ids: Sequence[BlockId]):
         host, staging = self._host, self._staging
         host_rows = host.rows(block_ids) if host is not None else [None] * len(block_ids)
-        lower = [b for b, row in zip(block_ids, host_rows) if row is None]
+        in_host = list(map(operator.is_not, host_rows, repeat(None)))
+        lower = list(compress(block_ids, map(operator.not_, in_host)))
         if lower:
             if staging is None:
                 return None
@@ -154,14 +156,9 @@ class TierReads:
                     return None
             if not all(map(staging.staged, lower)):
                 return None
-        plan = LoadPlan([], [], [], [], [], [], self._generation())
-        for position, (block_id, row) in enumerate(zip(block_ids, host_rows)):
-            if row is not None:
-                plan.host_ids.append(block_id)
-                plan.host_positions.append(position)
-            else:
-                plan.staged_ids.append(block_id)
-                plan.staged_positions.append(position)
+        positions = range(len(block_ids))
+        plan = LoadPlan(list(compress(block_ids, in_host)), [], list(compress(positions, in_host)),
+                        lower, [], list(compress(positions, map(operator.not_, in_host))), self._generation())
         if plan.host_ids:
             plan.host_rows = host.pin(plan.host_ids)
         if plan.staged_ids:

@@ -98,7 +98,7 @@ class Offloads:
         ids = request.block_ids
         host, disk = self.host, self.disk
         top = host if host is not None else disk
-        todo = list(compress(range(len(ids)), map(operator.not_, map(top.holds, ids))))
+        todo = list(compress(range(len(ids)), map(operator.not_, top.held(ids))))
         if todo and host is not None:
             rows, evicted = host.reserve([ids[i] for i in todo])
             self._removed(Tier.HOST, evicted)
@@ -109,7 +109,7 @@ class Offloads:
                 )
                 self._submit(_Job(ticket, Tier.HOST, tuple(ids[i] for i in positions), tuple(rows), self._generation, future))
         if todo and disk is not None:
-            todo = [i for i in todo if not disk.holds(ids[i])]
+            todo = list(compress(todo, map(operator.not_, disk.held([ids[i] for i in todo]))))
             reserved, evicted = disk.reserve([ids[i] for i in todo])
             self._removed(Tier.DISK, evicted)
             if reserved:

@@ -145,7 +145,26 @@ def build_tiers(
         "off" if g4 is None else f"Mooncake master {config.mooncake_master}, objects {g4.prefix}_<page hash>"
         f"{g4.suffix}, write-through from host",
     )
+    warn_small_pages(params.page_size, layout.block_bytes)
     return Tiers(layout, manager, policy, group, sidecars)
+
+
+SMALL_PAGE = 8  # below this a block is a handful of tokens, and per-block work dominates
+
+
+def warn_small_pages(page_size: int, block_bytes: int) -> None:
+    """Every page is a block (one lookup entry, one pin, one event, one disk slot with its header): say what a small
+    page costs and what to use instead (figures: benchmarks/README.md, section 3)."""
+    if page_size >= SMALL_PAGE:
+        return
+    header = DiskStore.header_bytes_for(page_size)
+    measured = (" (measured on the project's CPU benchmark: 2.4 ms of cache calls per request against 0.8 ms at "
+                "--page-size 16, where SGLang's HiCache takes 0.56 ms and 0.79 ms)" if page_size == 1 else "")
+    logger.warning(
+        "kvbm: --page-size %d makes every %s a block, and this library's scheduler-thread work is per block: a "
+        "request's cache calls cost several times what they cost at --page-size 16%s; each disk block also carries "
+        "a %d-byte header for %d bytes of KV. Use --page-size 16 (or 32, 64) with this library",
+        page_size, "token" if page_size == 1 else f"{page_size} tokens", measured, header, block_bytes)
 
 
 def _g4(config: KvbmConfig, identity: Identity, group: PoolGroup, layout: PagedKvLayout, kvcache):

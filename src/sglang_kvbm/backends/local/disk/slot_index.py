@@ -8,6 +8,7 @@ are pinned, so their slots cannot be reused under the read.
 
 from __future__ import annotations
 
+import operator
 from typing import Callable, Optional, Sequence
 
 from sglang_kvbm.backends.local.disk.format import BlockHeader
@@ -38,6 +39,10 @@ class DiskSlotIndex:
 
     def holds(self, block_id: BlockId) -> bool:
         return block_id in self._index or block_id in self._inflight
+
+    def held(self, block_ids: Sequence[BlockId]) -> list[bool]:
+        """``holds`` of each block, in C (``map``)."""
+        return list(map(operator.or_, map(self._index.contains, block_ids), map(self._inflight.__contains__, block_ids)))
 
     def registered(self, block_id: BlockId) -> bool:
         return block_id in self._index

@@ -113,6 +113,9 @@ class DiskStore:
     def holds(self, block_id: BlockId) -> bool:
         return self._index.holds(block_id)
 
+    def held(self, block_ids: Sequence[BlockId]) -> list[bool]:
+        return self._index.held(block_ids)
+
     def registered(self, block_id: BlockId) -> bool:
         return self._index.registered(block_id)
 
