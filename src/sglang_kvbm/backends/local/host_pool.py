@@ -11,6 +11,8 @@ reused only after its block was dropped *and* no copy can still use it.
 from __future__ import annotations
 
 import operator
+from collections import deque
+from itertools import repeat
 from typing import Optional, Sequence
 
 import torch
@@ -19,6 +21,8 @@ from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.lifecycle import BlockState, SlotLifecycle
 from sglang_kvbm.core.lru import LruIndex
 from sglang_kvbm.core.ports import BlockMeta
+
+_block_id = operator.attrgetter("block_id")
 
 
 class HostBlockPool:
@@ -91,13 +95,12 @@ class HostBlockPool:
         Registered children-first, so a prefix's first block is the most recent
         and eviction takes a chain from its tail.
         """
-        for meta in metas:
-            self._inflight.pop(meta.block_id, None)
+        ids = list(map(_block_id, metas))
+        deque(map(self._inflight.pop, ids, repeat(None)), maxlen=0)  # the loops here run in C
         self.rows_state.commit(rows)
         self.rows_state.register(rows)
-        for meta, row in zip(metas, rows):
-            self._metas[row] = meta
-        self._index.add((m.block_id for m in reversed(metas)), reversed(rows))
+        deque(map(self._metas.__setitem__, rows, metas), maxlen=0)
+        self._index.add(reversed(ids), reversed(rows))
 
     def abort(self, block_ids: Sequence[BlockId], rows: Sequence[int]) -> None:
         """A copy failed or was discarded: drop its blocks and give their rows back."""
