@@ -3,24 +3,31 @@
 One request trace (multi-turn conversations sharing system prompts, a working
 set several times the device pool) is replayed in this process through SGLang's
 default ``UnifiedRadixCache`` without a linker (the baseline), the same tree
-with this library's ``KvbmLinker`` (host tier on), and stock ``RadixCache``
-(for reference). Each request does to the cache what SGLang's scheduler does:
+with this library's ``KvbmLinker`` (host tier on), the same tree with SGLang's
+own HiCache host tier (``HiRadixCache``, the peer: ``hicache_inproc.py``) with as
+many host bytes, and stock ``RadixCache`` (for reference). Each request does to
+the cache what SGLang's scheduler does:
 
-* every step: ``check_hicache_events`` (with a linker: finished offloads unlock their nodes),
+* every step: ``check_hicache_events`` (finished offloads and loads),
 * ``match_prefix`` with the request, a lock on the match, ``evict`` when the pool is short,
 * with a lower-tier hit: ``init_load_back`` and ``ready_to_load_host_cache`` (the layer-wise
   load starts) and, after the forward, ``finish_external_linker_loads``,
-* ``insert`` of its pages (the linker's write-through offload happens inside it), unlock,
-  ``take_events``.
+* ``insert`` of its pages (the linker's write-through offload happens inside it; HiCache's
+  is submitted by ``flush_pending_backups``), unlock, ``take_events``.
 
-Only those calls are timed. Copies run on the linker's worker threads and are
-not counted, except the wait in ``finish_external_linker_loads``, reported on its
-own: in a server the forward runs while the layers load, and that wait is the
-part of the load the forward did not cover (here there is no forward, so it is
-the whole copy). Target: linker <= 1.10x the tree without it, without that wait.
+Only those calls are timed. The linker's copies run on its worker threads and are
+not counted, except the wait for a load (``load wait``: in a server the forward runs
+while the layers load; here there is no forward). HiCache's copies run inside its
+calls on CPU (``copies``, taken out of its total: on a GPU they are kernels on a side
+stream). Between requests the linker's copies in flight finish (untimed), as they
+would behind a forward; ``--no-gap`` leaves no such time, so nodes stay locked by
+offloads and loads find no room. ``--profile`` splits each cache's time by whose code
+it is (cProfile: SGLang, this library, PyTorch). Torch runs one intra-op thread
+(``--threads``): on 2 cores OpenMP's spinning threads starve the scheduler thread
+whenever a copy runs, which a GPU server's copies do not.
 
-    python benchmarks/critical_path.py                # ~1 minute
-    python benchmarks/critical_path.py --requests 4000 --pool 16384
+    python benchmarks/critical_path.py                      # ~2 minutes
+    python benchmarks/critical_path.py --page-size 1 --requests 300 --profile
 """
 
 from __future__ import annotations

@@ -91,3 +91,19 @@ def test_lru_pins_count_each_holder_and_touch_orders_a_prefix_head_last():
     assert lru.pinned_count() == 0
     lru.touch(["c", "x", "a"])  # x is not held: ignored; the head (c) ends most recent
     assert [b for b, _ in lru.items()] == ["b", "d", "a", "c"]
+
+
+def test_lru_pop_victims_is_pop_victim_repeated():
+    def build():
+        lru = LruIndex()
+        lru.add(range(20), range(100, 120))
+        lru.pin([0, 3, 4, 11])
+        lru.touch([5, 2])
+        return lru
+
+    one_by_one, batch = build(), build()
+    expected = [one_by_one.pop_victim() for _ in range(12)]
+    assert batch.pop_victims(12) == expected
+    assert batch.items() == one_by_one.items() and batch.pinned_count() == 4
+    assert batch.pop_victims(100) == [v for v in iter(one_by_one.pop_victim, None)]  # stops at the pinned ones
+    assert batch.pop_victims(1) == [] and len(batch) == 4

@@ -85,6 +85,23 @@ class LruIndex:
             return block_id, slots.pop(block_id)
         return None
 
+    def pop_victims(self, n: int) -> list[tuple[Hashable, int]]:
+        """Up to ``n`` victims, least recent first (``pop_victim`` ``n`` times, in one call)."""
+        slots, pins = self._slots, self._pins
+        out: list[tuple[Hashable, int]] = []
+        walked = 0  # pinned blocks met: each is moved warm and not met again this call
+        while len(out) < n and self._pinned < len(slots) and walked < len(slots):
+            block_id, slot = slots.popitem(last=False)
+            count = pins.get(block_id)
+            if count:
+                slots[block_id] = slot  # in use: warm again
+                walked += 1
+                continue
+            if count is not None:
+                del pins[block_id]  # a pin count that went back to zero
+            out.append((block_id, slot))
+        return out
+
     def remove(self, block_id: Hashable) -> Optional[int]:
         """Forget a block (pinned or not); returns its slot, or None if not held."""
         self._pinned -= self._pins.pop(block_id, 0) > 0

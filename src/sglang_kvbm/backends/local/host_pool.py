@@ -71,15 +71,13 @@ class HostBlockPool:
         """
         evicted: list[BlockMeta] = []
         need = len(block_ids)
-        while len(self._free) < need:
-            victim = self._index.pop_victim()
-            if victim is None:
-                break
-            row = victim[1]
-            self.rows_state.drop([row])
-            evicted.append(self._metas[row])
-            self._metas[row] = None
-            self._free.append(row)
+        if len(self._free) < need:
+            rows = [row for _, row in self._index.pop_victims(need - len(self._free))]
+            if rows:
+                self.rows_state.drop(rows)
+                evicted = list(map(self._metas.__getitem__, rows))
+                deque(map(self._metas.__setitem__, rows, repeat(None)), maxlen=0)
+                self._free.extend(rows)
         take = min(need, len(self._free))
         if not take:
             return [], evicted

@@ -68,13 +68,9 @@ class DiskSlotIndex:
 
     def reserve(self, block_ids: Sequence[BlockId]) -> tuple[list[int], list[BlockHeader]]:
         """A slot for each leading block that finds one, evicting LRU blocks; and the headers evicted."""
-        evicted: list[BlockHeader] = []
         need = len(block_ids)
-        while len(self._free) < need:
-            victim = self._index.pop_victim()
-            if victim is None:
-                break
-            evicted.append(self._release(victim[1]))
+        evicted: list[BlockHeader] = [
+            self._release(slot) for _, slot in self._index.pop_victims(max(0, need - len(self._free)))]
         take = min(need, len(self._free))
         slots = self._free[-take:][::-1] if take else []
         del self._free[len(self._free) - take :]
