@@ -74,11 +74,12 @@ class EventRelay:
         self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.held: set[str] = set()  # names announced as stored
         self.sequence = 0
+        self._snapshot_due = False  # a router subscribed since the last snapshot
         self.stats = {"polls": 0, "poll_errors": 0, "stored": 0, "removed": 0, "snapshots": 0}
 
     def poll(self) -> bool:
         """One poll: publish what changed (and everything, to a new subscriber); False when the master did not answer."""
-        subscribed = self._new_subscribers()
+        self._snapshot_due |= self._new_subscribers()  # kept until a poll succeeds
         try:
             keys = list_keys(self.admin_url)
         except OSError as error:
@@ -91,7 +92,8 @@ class EventRelay:
         now = {name for key in keys for name in announced(key)}
         gone, new = self.held - now, now - self.held
         self.held = now
-        if subscribed:  # a router that just (re)connected holds nothing: tell it everything
+        if self._snapshot_due:  # a router that just (re)connected holds nothing: tell it everything
+            self._snapshot_due = False
             self.stats["snapshots"] += 1
             new = now
         self._publish("removed", sorted(gone))
