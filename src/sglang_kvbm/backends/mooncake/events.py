@@ -20,9 +20,10 @@ library (tag ``kvbm-...``) holds a rank's K *and* V (SGLang's HiCache writes
 ``..._{rank}_k`` and ``..._{rank}_v``), and the router wants both names for an
 MHA page, so its ``_k`` name is announced with its ``_v`` twin.
 
-The price of polling: each poll lists every object (about 1 ms per few
-thousand names here); a store of millions of objects wants a longer interval,
-or a master built with its own publisher (Mooncake's ``--enable_kv_events``).
+The price of polling: each poll lists every object the master holds (0.8 ms
+with a handful here; it grows with the store); a store of millions of objects
+wants a longer interval, or a master built with its own publisher (Mooncake's
+``--enable_kv_events``).
 """
 
 from __future__ import annotations
