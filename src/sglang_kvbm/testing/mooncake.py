@@ -88,11 +88,6 @@ class MooncakeCluster:
         ], "relay")
         return self.events_endpoint
 
-    def keys(self) -> set[str]:
-        """Every object name the master holds."""
-        text = requests.get(f"http://127.0.0.1:{self.admin_port}/get_all_keys", timeout=5).text
-        return {line for line in text.splitlines() if line}
-
     def capacity(self) -> int:
         """Bytes lent to the store, from the master's metrics."""
         text = requests.get(f"http://127.0.0.1:{self.admin_port}/metrics", timeout=2).text
