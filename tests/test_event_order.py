@@ -139,3 +139,54 @@ def test_same_stream_out_as_the_scanning_implementation():
             batch = _random_stream(rng, rng.randint(1, 6))
             assert new.order(batch) == old.order(batch), f"seed {seed}"
             assert (new.held(), new.dropped, new.held_total) == (old.held(), old.dropped, old.held_total)
+
+
+def _metas(hashes, parent, *, salt=None, lora=None, bigram=False, links=None):
+    from sglang_kvbm.core.ports import BlockMeta, EventIdentity
+
+    out = []
+    for n, h in enumerate(hashes):
+        link = (links or {}).get(n, hashes[n - 1] if n else parent)
+        tokens = tuple(range(h * 10, h * 10 + 4 + bigram))
+        out.append(BlockMeta(f"id{h}", tokens, EventIdentity(h, link, salt, lora, bigram), f"id{link}"))
+    return out
+
+
+def test_sink_publishes_a_copy_in_one_event_exactly_as_sglangs_recorder_coalesces_its_pages():
+    """The bulk path (one BlockStored per chained copy, built in C) against SGLang's recorder fed page by page."""
+    from sglang.srt.disaggregation.kv_events import StorageMedium
+    from sglang.srt.mem_cache.events import KVCacheEventRecorder
+
+    from sglang_kvbm.core.ports import BlockMeta
+    from sglang_kvbm.core.tiers import Tier
+    from sglang_kvbm.integration.sglang.events import SglangEventSink
+
+    cases = [
+        _metas([1, 2, 3, 4], None),  # a chain: one event
+        _metas([5, 6, 7], 4, salt="s", lora="l"),  # namespaced
+        _metas([8, 9, 10], 7, links={2: 1}),  # a broken link: two events
+        _metas([11, 12], 10, bigram=True),  # EAGLE pairs: page by page
+        _metas([13, 14], 12) + [BlockMeta("x", (1, 2, 3, 4), None, "id14")],  # a page without identity
+        _metas([15], None) + _metas([16], 15, salt="other"),  # two namespaces
+    ]
+    for metas in cases:
+        sink = SglangEventSink(True, 4)
+        sink.stored(Tier.HOST, metas)
+        reference = KVCacheEventRecorder(enabled=True, page_size=4)
+        for meta in metas:
+            if meta.event is None:
+                continue
+            tokens = list(meta.token_ids)
+            if meta.event.bigram:
+                tokens = list(zip(tokens[:-1], tokens[1:]))
+            reference.enqueue(BlockStored(
+                block_hashes=[meta.event.block_hash], parent_block_hash=meta.event.parent_block_hash,
+                token_ids=tokens, block_size=len(tokens), lora_id=None, medium=StorageMedium.CPU,
+                cache_salt=meta.event.cache_salt, lora_name=meta.event.lora_name))
+        assert sink.take() == reference.take()
+    sink = SglangEventSink(True, 4)
+    sink.stored(Tier.DISK, cases[0])
+    sink.removed(Tier.DISK, cases[4])
+    taken = sink.take()
+    assert len(taken) == 2 and taken[0].block_hashes == [1, 2, 3, 4] and taken[0].block_size == 4
+    assert taken[1] == BlockRemoved(block_hashes=[13, 14], medium=StorageMedium.DISK)

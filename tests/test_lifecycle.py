@@ -89,6 +89,12 @@ def test_lru_pins_count_each_holder_and_touch_orders_a_prefix_head_last():
     assert lru.pinned_count() == 3  # b and c are still held once each
     lru.unpin(["a", "b", "c"])
     assert lru.pinned_count() == 0
+    lru.pin(["d"])
+    lru.unpin(["d", "d", "x"])  # more unpins than pins, and an id never pinned: no negative count survives
+    assert lru.pinned_count() == 0 and not lru.pinned("d")
+    lru.pin(["d", "d"])
+    lru.unpin(["d", "d"])  # a repeated id in one call: two unpins
+    assert not lru.pinned("d")
     lru.touch(["c", "x", "a"])  # x is not held: ignored; the head (c) ends most recent
     assert [b for b, _ in lru.items()] == ["b", "d", "a", "c"]
 

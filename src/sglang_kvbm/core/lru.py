@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import operator
 from collections import Counter, OrderedDict, deque
-from itertools import compress
+from itertools import compress, repeat
 from typing import Hashable, Iterable, Optional, Sequence
 
 
 class LruIndex:
     def __init__(self) -> None:
         self._slots: OrderedDict[Hashable, int] = OrderedDict()  # first = least recent
-        self._pins: Counter = Counter()
-        self._pinned = 0  # blocks whose pin count is above zero
+        self._pins: Counter = Counter()  # pinned blocks only: a count that reaches zero is deleted
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -53,58 +52,43 @@ class LruIndex:
     def pin(self, block_ids: Sequence[Hashable]) -> list[int]:
         """Keep blocks from eviction while their slots are read; returns the slots. Every id must be held."""
         slots = list(map(self._slots.__getitem__, block_ids))
-        pins = self._pins
-        self._pinned += len(set(compress(block_ids, map(operator.not_, map(pins.get, block_ids)))))  # 0 or None
-        pins.update(block_ids)  # Counter's counting loop is C
+        self._pins.update(block_ids)  # Counter's counting loop is C
         return slots
 
     def unpin(self, block_ids: Sequence[Hashable]) -> None:
+        """Undo one ``pin`` of each block (ids not pinned are ignored); a count that reaches zero is deleted."""
         pins = self._pins
-        for block_id in block_ids:
-            count = pins.get(block_id)
-            if count:
-                pins[block_id] = count - 1
-                self._pinned -= count == 1
+        held = list(filter(pins.__contains__, block_ids))
+        # In C, one element at a time (a repeated id reads the count its previous occurrence wrote).
+        deque(map(pins.__setitem__, held, map(operator.sub, map(pins.__getitem__, held), repeat(1))), maxlen=0)
+        deque(map(pins.pop, compress(held, map(operator.gt, repeat(1), map(pins.get, held, repeat(0)))), repeat(None)),
+              maxlen=0)  # counts at zero (or below, after more unpins than pins)
 
     def pinned(self, block_id: Hashable) -> bool:
-        return self._pins.get(block_id, 0) > 0
+        return block_id in self._pins
 
     def pop_victim(self) -> Optional[tuple[Hashable, int]]:
         """Remove and return the least recently used unpinned block, or None if every block is pinned."""
-        slots, pins = self._slots, self._pins
-        if self._pinned >= len(slots):
-            return None
-        for _ in range(len(slots)):
-            block_id = next(iter(slots))
-            count = pins.get(block_id)
-            if count is not None:
-                if count > 0:
-                    slots.move_to_end(block_id)  # in use: warm again, and not met again this search
-                    continue
-                del pins[block_id]  # a pin count that went back to zero
-            return block_id, slots.pop(block_id)
-        return None
+        victims = self.pop_victims(1)
+        return victims[0] if victims else None
 
     def pop_victims(self, n: int) -> list[tuple[Hashable, int]]:
-        """Up to ``n`` victims, least recent first (``pop_victim`` ``n`` times, in one call)."""
+        """Up to ``n`` victims, least recent first; pinned blocks met on the way are made most recent."""
         slots, pins = self._slots, self._pins
         out: list[tuple[Hashable, int]] = []
         walked = 0  # pinned blocks met: each is moved warm and not met again this call
-        while len(out) < n and self._pinned < len(slots) and walked < len(slots):
+        while len(out) < n and len(pins) < len(slots) and walked < len(slots):
             block_id, slot = slots.popitem(last=False)
-            count = pins.get(block_id)
-            if count:
+            if block_id in pins:
                 slots[block_id] = slot  # in use: warm again
                 walked += 1
                 continue
-            if count is not None:
-                del pins[block_id]  # a pin count that went back to zero
             out.append((block_id, slot))
         return out
 
     def remove(self, block_id: Hashable) -> Optional[int]:
         """Forget a block (pinned or not); returns its slot, or None if not held."""
-        self._pinned -= self._pins.pop(block_id, 0) > 0
+        self._pins.pop(block_id, None)
         return self._slots.pop(block_id, None)
 
     def items(self) -> list[tuple[Hashable, int]]:
@@ -112,9 +96,8 @@ class LruIndex:
         return list(self._slots.items())
 
     def pinned_count(self) -> int:
-        return self._pinned
+        return len(self._pins)
 
     def clear(self) -> None:
         self._slots.clear()
         self._pins.clear()
-        self._pinned = 0

@@ -37,6 +37,7 @@ from sglang_kvbm.core.ports import BlockMeta, StoreRequest, TierEvent, TierEvent
 from sglang_kvbm.core.tiers import Tier
 
 logger = logging.getLogger(__name__)
+_parent_id = operator.attrgetter("parent_id")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,10 +108,11 @@ class Offloads:
                 future = self._offload.submit(
                     copies.device_to_host, self.layout, self._offload_stream, request, positions, host.slab, rows
                 )
-                self._submit(_Job(ticket, Tier.HOST, tuple(ids[i] for i in positions), tuple(rows), self._generation, future))
+                self._submit(_Job(ticket, Tier.HOST, tuple(map(ids.__getitem__, positions)), tuple(rows), self._generation,
+                                  future))
         if todo and disk is not None:
-            todo = list(compress(todo, map(operator.not_, disk.held([ids[i] for i in todo]))))
-            reserved, evicted = disk.reserve([ids[i] for i in todo])
+            todo = list(compress(todo, map(operator.not_, disk.held(list(map(ids.__getitem__, todo))))))
+            reserved, evicted = disk.reserve(list(map(ids.__getitem__, todo)))
             self._removed(Tier.DISK, evicted)
             if reserved:
                 positions, todo = todo[: len(reserved)], todo[len(reserved) :]
@@ -202,13 +204,15 @@ class Offloads:
         return reachable == len(metas)
 
     def _reachable(self, metas: Sequence[BlockMeta], ids: set) -> int:
-        """How many leading pages have their parent in this copy or held below (registered or on its way)."""
+        """How many leading pages have their parent in this copy or held below (registered or on its way).
+
+        Only pages whose parent is outside the copy (usually the first alone) are looked up; finding them is C."""
+        parents = list(map(_parent_id, metas))
+        outside = compress(range(len(metas)), map(operator.not_, map(ids.__contains__, parents)))
         host, disk = self.host, self.disk
-        for i, meta in enumerate(metas):
-            parent = meta.parent_id
-            if parent is None or parent in ids:
-                continue
-            if (host is not None and host.holds(parent)) or (disk is not None and disk.holds(parent)):
+        for i in outside:
+            parent = parents[i]
+            if parent is None or (host is not None and host.holds(parent)) or (disk is not None and disk.holds(parent)):
                 continue
             return i
         return len(metas)

@@ -10,6 +10,8 @@ so one stream per worker carries every tier in the order things happened.
 
 from __future__ import annotations
 
+import operator
+from itertools import chain
 from typing import Sequence
 
 from sglang.srt.disaggregation.kv_events import BlockRemoved, BlockStored, StorageMedium
@@ -17,6 +19,23 @@ from sglang.srt.mem_cache.events import KVCacheEventRecorder
 
 from sglang_kvbm.core.ports import BlockMeta
 from sglang_kvbm.core.tiers import Tier
+
+_event = operator.attrgetter("event")
+_hash = operator.attrgetter("block_hash")
+_parent = operator.attrgetter("parent_block_hash")
+_tokens = operator.attrgetter("token_ids")
+_namespace = operator.attrgetter("cache_salt", "lora_name", "bigram")
+
+
+def _one_chain(idents: list) -> bool:
+    """Every page has an identity, none is an EAGLE bigram page, one namespace, each page's parent the one
+    before: what SGLang's recorder would coalesce into one event (each test a C-level pass)."""
+    if None in idents:
+        return False
+    namespaces = set(map(_namespace, idents))
+    if len(namespaces) != 1 or next(iter(namespaces))[2]:
+        return False
+    return all(map(operator.eq, map(_parent, idents[1:]), map(_hash, idents)))
 
 
 class SglangEventSink:
@@ -30,11 +49,19 @@ class SglangEventSink:
         return self._queue.enabled
 
     def stored(self, tier: Tier, blocks: Sequence[BlockMeta]) -> None:
-        if not self.enabled:
+        if not self.enabled or not blocks:
             return
         medium = StorageMedium(tier.medium)
-        for meta in blocks:
-            ident = meta.event
+        idents = list(map(_event, blocks))
+        if _one_chain(idents):  # a copy's pages: one event for all of them, built in C
+            first = idents[0]
+            tokens = list(chain.from_iterable(map(_tokens, blocks)))
+            self._queue.enqueue(BlockStored(
+                block_hashes=list(map(_hash, idents)), parent_block_hash=first.parent_block_hash, token_ids=tokens,
+                block_size=len(tokens) // len(blocks), lora_id=None, medium=medium, cache_salt=first.cache_salt,
+                lora_name=first.lora_name))
+            return
+        for meta, ident in zip(blocks, idents):
             if ident is None:
                 continue
             tokens = meta.token_ids
@@ -56,7 +83,7 @@ class SglangEventSink:
     def removed(self, tier: Tier, blocks: Sequence[BlockMeta]) -> None:
         if not self.enabled:
             return
-        hashes = [meta.event.block_hash for meta in blocks if meta.event is not None]
+        hashes = list(map(_hash, filter(None, map(_event, blocks))))
         if hashes:
             self._queue.enqueue(BlockRemoved(block_hashes=hashes, medium=StorageMedium(tier.medium)))
 
