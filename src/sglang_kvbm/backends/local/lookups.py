@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import operator
 from concurrent.futures import wait
-from itertools import compress, repeat
+from itertools import compress, repeat, takewhile, tee
 from typing import Callable, Sequence
 
 from sglang_kvbm.core.identity import BlockId
@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 WAIT_SLACK = 3.0  # a read may take this many times the meter's estimate before the load gives up on it
 WAIT_FLOOR_S = 0.05  # and at least this long (thread hand-offs, a disk's jitter)
 G4_FIRST_WAIT_S = 0.5  # a G4 fetch before any was timed
+_first, _second = operator.itemgetter(0), operator.itemgetter(1)
 
 
 @dataclasses.dataclass
@@ -74,21 +75,32 @@ class TierReads:
         already read into staging: servable, but not a tier, so not announced)."""
         n = len(block_ids)
         host = list(map(self._host.contains, block_ids)) if self._host is not None else [False] * n
+        return host, list(self._lower(block_ids, host, staged))
+
+    def _lower(self, block_ids: Sequence[BlockId], host, staged: bool):
+        """Lazily, per block: ``host`` or held below (see :meth:`_flags`)."""
         if self._disk is None:  # G4 alone below host: staged G4 blocks are servable
             if not staged or self._staging is None:
-                return host, host
-            return host, list(map(operator.or_, host, map(self._staging.pool.contains, block_ids)))
+                return iter(host)
+            return map(operator.or_, host, map(self._staging.pool.contains, block_ids))
         on_disk = map(self._disk.contains, block_ids)
         if staged:
             on_disk = map(operator.or_, on_disk, map(self._staging.pool.contains, block_ids))
-        return host, list(map(operator.or_, host, on_disk))
+        return map(operator.or_, host, on_disk)
+
+    def _leading(self, block_ids: Sequence[BlockId], *, staged: bool) -> list:
+        """Host flags of the leading run of servable blocks: lookups stop at the first block held nowhere (C)."""
+        host = map(self._host.contains, block_ids) if self._host is not None else repeat(False, len(block_ids))
+        host, into_lower = tee(host)
+        pairs = takewhile(_second, zip(host, self._lower(block_ids, into_lower, staged)))
+        return list(map(_first, pairs))
 
     def peek(self, block_ids: Sequence[BlockId]) -> tuple[int, int]:
         """What the tiers hold, exactly as their events announced it (no staging)."""
         if not block_ids:
             return 0, 0
-        host, lower = self._flags(block_ids, staged=False)
-        return _run(host), _run(lower)
+        host = self._leading(block_ids, staged=False)
+        return _run(host), len(host)
 
     def servable(self, block_ids: Sequence[BlockId]) -> list[bool]:
         """Per block: servable now (host, disk, or read into staging); changes nothing."""
@@ -98,14 +110,14 @@ class TierReads:
         """``(leading blocks servable now, of which in host)``; starts reading the disk-only ones."""
         if not block_ids:
             return 0, 0
-        host, lower = self._flags(block_ids, staged=True)
-        hit = _run(lower)
-        host_run = _run(host[:hit])
-        disk_only = hit - sum(host[:hit])
+        host = self._leading(block_ids, staged=True)  # the lookups stop at the first block held nowhere
+        hit = len(host)
+        host_run = _run(host)
+        disk_only = hit - sum(host)
         if disk_only:
             if disk_only > self._staging.capacity:  # no load can stage more than this at once
                 hit, seen = 0, 0
-                while seen < self._staging.capacity or host[hit]:
+                while hit < len(host) and (seen < self._staging.capacity or host[hit]):
                     seen += not host[hit]
                     hit += 1
                 disk_only = seen
