@@ -99,17 +99,46 @@ def test_lru_pins_count_each_holder_and_touch_orders_a_prefix_head_last():
     assert [b for b, _ in lru.items()] == ["b", "d", "a", "c"]
 
 
-def test_lru_pop_victims_is_pop_victim_repeated():
-    def build():
-        lru = LruIndex()
-        lru.add(range(20), range(100, 120))
-        lru.pin([0, 3, 4, 11])
-        lru.touch([5, 2])
-        return lru
+def test_lru_pop_victims_matches_a_plain_model_of_the_policy():
+    """The batch eviction (C fast path when the cold end is unpinned, else the walk) against a list model."""
+    import random
 
-    one_by_one, batch = build(), build()
-    expected = [one_by_one.pop_victim() for _ in range(12)]
-    assert batch.pop_victims(12) == expected
-    assert batch.items() == one_by_one.items() and batch.pinned_count() == 4
-    assert batch.pop_victims(100) == [v for v in iter(one_by_one.pop_victim, None)]  # stops at the pinned ones
-    assert batch.pop_victims(1) == [] and len(batch) == 4
+    rng = random.Random(7)
+    lru, order, pins = LruIndex(), [], {}  # order: least recent first
+    for step in range(3000):
+        op = rng.random()
+        if op < 0.3:
+            new = [b for b in (rng.randrange(200) for _ in range(rng.randint(1, 8))) if b not in order]
+            new = list(dict.fromkeys(new))
+            lru.add(new, [b + 1000 for b in new])
+            order.extend(new)
+        elif op < 0.45 and order:
+            ids = rng.sample(order, min(len(order), rng.randint(1, 5)))
+            lru.pin(ids)
+            for b in ids:
+                pins[b] = pins.get(b, 0) + 1
+        elif op < 0.6 and pins:
+            ids = rng.sample(sorted(pins), min(len(pins), rng.randint(1, 3)))
+            lru.unpin(ids)
+            for b in ids:
+                pins[b] -= 1
+                if not pins[b]:
+                    del pins[b]
+        elif op < 0.75 and order:
+            ids = rng.sample(order, min(len(order), rng.randint(1, 5)))
+            lru.touch(ids)
+            for b in reversed(ids):
+                order.remove(b)
+                order.append(b)
+        else:
+            n = rng.randint(1, 10)
+            expected, walked = [], 0
+            while len(expected) < n and len(pins) < len(order) and walked < len(order):
+                b = order.pop(0)
+                if b in pins:
+                    order.append(b)
+                    walked += 1
+                    continue
+                expected.append((b, b + 1000))
+            assert lru.pop_victims(n) == expected, step
+        assert [b for b, _ in lru.items()] == order and lru.pinned_count() == len(pins)

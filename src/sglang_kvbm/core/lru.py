@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import operator
 from collections import Counter, OrderedDict, deque
-from itertools import compress, repeat
+from itertools import compress, islice, repeat
 from typing import Hashable, Iterable, Optional, Sequence
 
 
@@ -75,6 +75,11 @@ class LruIndex:
     def pop_victims(self, n: int) -> list[tuple[Hashable, int]]:
         """Up to ``n`` victims, least recent first; pinned blocks met on the way are made most recent."""
         slots, pins = self._slots, self._pins
+        if n <= 0:
+            return []
+        head = list(islice(slots, min(n, len(slots) - len(pins))))  # the least recent, in C
+        if not any(map(pins.__contains__, head)):  # the usual case: the cold end is not in use
+            return list(zip(head, map(slots.pop, head)))
         out: list[tuple[Hashable, int]] = []
         walked = 0  # pinned blocks met: each is moved warm and not met again this call
         while len(out) < n and len(pins) < len(slots) and walked < len(slots):
