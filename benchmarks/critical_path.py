@@ -24,15 +24,22 @@ would behind a forward; ``--no-gap`` leaves no such time, so nodes stay locked b
 offloads and loads find no room. ``--profile`` splits each cache's time by whose code
 it is (cProfile: SGLang, this library, PyTorch). Torch runs one intra-op thread
 (``--threads``): on 2 cores OpenMP's spinning threads starve the scheduler thread
-whenever a copy runs, which a GPU server's copies do not.
+whenever a copy runs, which a GPU server's copies do not. ``--events`` turns KV
+events on (the tree's and the tiers'), as in a worker behind Dynamo's router.
 
-    python benchmarks/critical_path.py                      # ~2 minutes
+This VM's timings drift by up to ±30% within minutes, so the caches take turns
+over ``--rounds`` rounds: each figure is its median across rounds, each ratio
+the median of the rounds' own ratios (with its range).
+
+    python benchmarks/critical_path.py                      # ~6 minutes (3 rounds of 1500 requests)
+    python benchmarks/critical_path.py --requests 600 --rounds 5 --events
     python benchmarks/critical_path.py --page-size 1 --requests 300 --profile
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import pstats
 import random
@@ -58,6 +65,7 @@ import hicache_inproc
 from common import save_plot, table, verdict
 from sglang_kvbm import KvbmConfig
 from sglang_kvbm.integration.sglang.custom import build_cache, ensure_runtime_context
+from sglang_kvbm.integration.sglang.page_identity import InsertContext
 
 KINDS = ("UnifiedRadixCache", "UnifiedRadixCache+KvbmLinker", "HiRadixCache", "RadixCache")
 CALLS = ["check_hicache_events", "match_prefix", "init_load_back", "ready_to_load", "insert", "flush_backups",
@@ -107,6 +115,35 @@ def build(kind: str, pool_tokens: int, host_blocks: int, page: int, events: bool
 
 def replay(cache, allocator, requests, linked: bool, page: int, prof=None, gap: bool = True) -> dict[str, float]:
     spent: dict[str, float] = defaultdict(float)
+    with copy_thread_cpu() as describe_cpu:
+        _replay(cache, allocator, requests, linked, page, prof, gap, spent)
+    spent["total"] = sum(v for k, v in spent.items() if k != "finish_loads_wait")
+    spent["describe_cpu"] = describe_cpu[0]
+    return spent
+
+
+@contextlib.contextmanager
+def copy_thread_cpu():
+    """CPU seconds the copy threads spend describing stored pages (``InsertContext.describe``: metas, event
+    identities, and SGLang's chain hash, which releases the GIL); not scheduler-thread time, not in ``total``."""
+    spent = [0.0]
+    original = InsertContext.describe
+
+    def describe(self, *args):
+        start = time.thread_time()
+        try:
+            return original(self, *args)
+        finally:
+            spent[0] += time.thread_time() - start
+
+    InsertContext.describe = describe
+    try:
+        yield spent
+    finally:
+        InsertContext.describe = original
+
+
+def _replay(cache, allocator, requests, linked, page, prof, gap, spent) -> None:
 
     def timed(name, fn, *args):
         if prof is not None and name != "finish_loads_wait":  # the profile: the cache calls' code only
@@ -166,10 +203,8 @@ def replay(cache, allocator, requests, linked: bool, page: int, prof=None, gap: 
             allocator.free(prefix[result.device_prefix_len : inserted.prefix_len])
         timed("unlock", cache.dec_lock_ref, node, lock)
         timed("take_events", cache.take_events)
-    spent["total"] = sum(v for k, v in spent.items() if k != "finish_loads_wait")
     spent["device_hit_tokens"] = hits["device"]
     spent["host_hit_tokens"] = hits["host"]
-    return spent
 
 
 def owner_of(path: str) -> str | None:
@@ -274,12 +309,14 @@ def main(argv=None) -> int:
     for kind, spent in results.items():
         rows.append([kind, spent["total"] * 1e3, spent["total"] / base, spent["total"] / len(requests) * 1e6,
                      spent.get("finish_loads_wait", 0.0) * 1e3, spent.get("copies", 0.0) * 1e3,
+                     spent.get("describe_cpu", 0.0) * 1e3,
                      int(spent["device_hit_tokens"]), int(spent["host_hit_tokens"])]
                     + [spent.get(c, 0.0) * 1e3 for c in CALLS])
-    print(table(["cache", "total ms", "vs tree", "us/request", "load wait ms", "copies ms", "device hit tok",
+    print(table(["cache", "total ms", "vs tree", "us/request", "load wait ms", "copies ms", "describe ms", "device hit tok",
                  "host hit tok"] + [f"{c} ms" for c in CALLS], rows))
     print("(total: the cache calls without the load wait, and for HiRadixCache without its copies, which run inside "
-          "its calls on CPU: `copies ms`, in ready_to_load and flush_backups)")
+          "its calls on CPU: `copies ms`, in ready_to_load and flush_backups; describe: the linker's copy threads' CPU "
+          "describing stored pages, off the scheduler thread, its chain hash without the GIL)")
     linker, peer = results["UnifiedRadixCache+KvbmLinker"], results["HiRadixCache"]
     mid, low, high = ratio("UnifiedRadixCache+KvbmLinker", "HiRadixCache")
     print(f"(figures: medians of {args.rounds} rounds; ratios: the median of each round's ratio, range low-high)")
