@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import operator
 from collections import deque
-from itertools import repeat
+from itertools import compress, repeat
 from typing import Optional, Sequence
 
 import torch
@@ -138,6 +138,11 @@ class HostBlockPool:
     def meta_of(self, block_id: BlockId) -> BlockMeta:
         return self._metas[self._index.slot(block_id)]
 
+    def metas_of(self, block_ids: Sequence[BlockId]) -> list[BlockMeta]:
+        """The metas of those of ``block_ids`` that are registered, in order (C-level ``map``s)."""
+        rows = self._index.slots(block_ids)
+        return list(map(self._metas.__getitem__, compress(rows, map(operator.is_not, rows, repeat(None)))))
+
     def metas(self) -> list[BlockMeta]:
         return [self._metas[row] for _, row in self._index.items()]
 
@@ -156,6 +161,8 @@ class HostBlockPool:
 
     def release_orphans(self, rows: Sequence[int]) -> None:
         """A copy that started before :meth:`forget` ended: its rows are free now."""
+        if not self._orphans:  # the usual case: no forget() happened while a copy ran
+            return
         for row in rows:
             if row in self._orphans:
                 self._orphans.discard(row)

@@ -17,7 +17,7 @@ import logging
 import operator
 from concurrent.futures import wait
 from itertools import compress, repeat, takewhile, tee
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.tiers import Tier
@@ -60,7 +60,7 @@ def _run(flags: list) -> int:
 
 
 class TierReads:
-    def __init__(self, layout, host, disk, staging, policy, stats, offer_reused: Callable, load_timeout: float,
+    def __init__(self, layout, host, disk, staging, policy, stats, offer_reused: Optional[Callable], load_timeout: float,
                  generation: Callable[[], int]):
         self._layout = layout
         self._host, self._disk, self._staging = host, disk, staging
@@ -197,8 +197,8 @@ class TierReads:
             if current:
                 host.unpin(plan.host_ids)
             host.release_orphans(plan.host_rows)
-            if current and reused:  # a host hit: a use the disk's (and G4's) frequency filter counts
-                self._offer_reused([host.meta_of(b) for b in plan.host_ids if host.registered(b)])
+            if current and reused and self._offer_reused is not None:  # a host hit: a use the disk's and G4's
+                self._offer_reused(host.metas_of(plan.host_ids))  # frequency filters count
         if plan.staged_ids:
             if current:
                 self._staging.pool.unpin(plan.staged_ids)

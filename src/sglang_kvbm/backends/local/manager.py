@@ -101,7 +101,8 @@ class LocalBlockManager:
                                        g4=g4, g4_executor=self._g4_lane,
                                        g4_found=self.g4_writes.learn if g4 is not None else lambda ids: None)
         self.reads = TierReads(layout, self.host, disk, self.staging, policy, self.stats,
-                               self._offer_reused, load_timeout, lambda: self.offloads.generation)
+                               self._offer_reused if disk is not None or g4 is not None else None, load_timeout,
+                               lambda: self.offloads.generation)
         if disk is not None and len(disk):
             self._announce_restored(disk.registered_metas())
 
