@@ -59,6 +59,9 @@ class LruIndex:
         """Undo one ``pin`` of each block (ids not pinned are ignored); a count that reaches zero is deleted."""
         pins = self._pins
         held = list(filter(pins.__contains__, block_ids))
+        if max(map(pins.__getitem__, held), default=0) == 1:  # the usual case: one holder each
+            deque(map(pins.pop, held, repeat(None)), maxlen=0)
+            return
         # In C, one element at a time (a repeated id reads the count its previous occurrence wrote).
         deque(map(pins.__setitem__, held, map(operator.sub, map(pins.__getitem__, held), repeat(1))), maxlen=0)
         deque(map(pins.pop, compress(held, map(operator.gt, repeat(1), map(pins.get, held, repeat(0)))), repeat(None)),
