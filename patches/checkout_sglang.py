@@ -5,7 +5,8 @@ SGLang 0.5.23 publishes no sdist; its wheel holds the ``sglang`` package exactly
 as ``python/sglang`` at tag v0.5.23. This script downloads that wheel from the
 package index, unpacks it into ``DEST/python/sglang``, commits it to a fresh git
 repository (so the patch is reviewable with ``git diff``), and applies
-``sglang-v<VERSION>-kvbm.patch`` with ``git apply``.
+``sglang-v<VERSION>-kvbm.patch`` with ``git apply`` (or the ``--patch`` files given, in order:
+``sglang-v0.5.23-linker-one-rank.patch`` is an upstream fix, see the README).
 
     python patches/checkout_sglang.py --dest /tmp/sglang-kvbm
     PYTHONPATH=/tmp/sglang-kvbm/python python -m sglang.launch_server ... --enable-kvbm
@@ -34,10 +35,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dest", required=True, type=Path, help="directory to create (must not exist)")
     parser.add_argument("--version", default="0.5.23")
-    parser.add_argument("--patch", type=Path, help="default: patches/sglang-v<version>-kvbm.patch")
+    parser.add_argument("--patch", type=Path, action="append",
+                        help="a patch to apply, in order (repeatable); default: patches/sglang-v<version>-kvbm.patch")
     parser.add_argument("--no-apply", action="store_true", help="lay out the pristine source only")
     args = parser.parse_args(argv)
-    patch = (args.patch or HERE / f"sglang-v{args.version}-kvbm.patch").resolve()
+    patches = [p.resolve() for p in (args.patch or [HERE / f"sglang-v{args.version}-kvbm.patch"])]
     dest = args.dest.resolve()
     if dest.exists():
         parser.error(f"{dest} exists")
@@ -57,8 +59,9 @@ def main(argv=None) -> int:
     run("git", "-c", "user.name=sglang-kvbm", "-c", "user.email=sglang-kvbm@localhost",
         "commit", "-q", "-m", f"sglang {args.version} (from its wheel)", cwd=dest)
     if not args.no_apply:
-        run("git", "apply", "--index", str(patch), cwd=dest)
-        print(f"applied {patch.name} to {dest}")
+        for patch in patches:
+            run("git", "apply", "--index", str(patch), cwd=dest)
+            print(f"applied {patch.name} to {dest}")
         subprocess.run(["git", "diff", "--cached", "--stat"], cwd=dest, check=True)
     return 0
 

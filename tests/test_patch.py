@@ -8,6 +8,7 @@ flags and registration, not the entry point.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,11 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def patched_tree(tmp_path_factory):
     dest = tmp_path_factory.mktemp("sglang") / "checkout"
-    subprocess.run([sys.executable, str(ROOT / "patches" / "checkout_sglang.py"), "--dest", str(dest)], check=True)
+    # The version patch and the upstream one-rank fix (its paths then run in every test here).
+    subprocess.run([sys.executable, str(ROOT / "patches" / "checkout_sglang.py"), "--dest", str(dest),
+                    "--patch", str(ROOT / "patches" / "sglang-v0.5.23-kvbm.patch"),
+                    "--patch", str(ROOT / "patches" / "sglang-v0.5.23-linker-one-rank.patch")], check=True)
+    assert "_attn_groups_reduce" in (dest / "python/sglang/srt/mem_cache/unified_radix_cache.py").read_text()
     return dest / "python"
 
 
@@ -61,3 +66,13 @@ def test_bad_kvbm_config_stops_the_launcher(model_dir, patched_tree, tmp_path):
         server.start(timeout=120)
     server.stop()
     assert "--kvbm-config cpu_cache_gb='-1' must be a positive size" in log.read_text()
+
+
+def test_one_rank_fix_keeps_tensor_parallel_ranks_agreeing(patched_tree):
+    """The upstream fix skips the attention groups' reductions at one rank only: two gloo ranks on the patched
+    tree still agree on every hit, load and offload (the TP pair tests, run on it)."""
+    env = {**os.environ, "PYTHONPATH": str(patched_tree)}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" /
+                           "test_tp_pair.py")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout
