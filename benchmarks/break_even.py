@@ -17,10 +17,9 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-import tempfile
 from pathlib import Path
 
-from common import mean, out_dir, save_plot, table, verdict
+from common import mean, out_dir, save_plot, scratch_dir, table, verdict
 from sglang_kvbm.demo import _stream_generate
 from sglang_kvbm.testing.model import DEMO, make_model, prompt_ids
 from sglang_kvbm.testing.server import SglangServer
@@ -51,7 +50,7 @@ def main(argv=None) -> int:
     lengths = [int(x) for x in args.lengths.split(",")]
     out = out_dir()
     model = make_model(out / "model-demo", DEMO)
-    disk_dir = tempfile.mkdtemp(prefix="kvbm-bench-be-")
+    disk_dir = scratch_dir("kvbm-bench-be-")
     modes = {
         "recompute": ([], {}, False),
         "G2 hit": (["--radix-cache-backend", "kvbm"], {"DYN_KVBM_CPU_CACHE_GB": "2"}, True),
@@ -65,7 +64,7 @@ def main(argv=None) -> int:
                    "layer_first", "--hicache-write-policy", "write_through"]
         modes["HiCache host hit"] = (hicache + ["--hicache-ratio", "4"], patch, True)
         modes["HiCache L3 hit"] = (hicache + ["--hicache-ratio", "1", "--hicache-storage-backend", "file"], {
-            **patch, "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": tempfile.mkdtemp(prefix="hicache-be-")}, True)
+            **patch, "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": scratch_dir("hicache-be-")}, True)
     extra = [] if args.device == "cpu" else ["--device", args.device]
     results = {}
     for mode, (flags, env, evict) in modes.items():

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import statistics
+import tempfile
 from pathlib import Path
 from typing import Sequence
 
@@ -13,6 +16,13 @@ OUT = Path(os.environ.get("KVBM_BENCH_OUT", "bench-out"))
 def out_dir() -> Path:
     OUT.mkdir(parents=True, exist_ok=True)
     return OUT
+
+
+def scratch_dir(prefix: str) -> str:
+    """A temporary directory removed when the benchmark exits (disk tiers and HiCache's L3 preallocate GBs)."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def pct(values: Sequence[float], q: float) -> float:

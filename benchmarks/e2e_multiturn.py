@@ -29,11 +29,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from common import mean, out_dir, pct, save_plot, table, verdict
+from common import mean, out_dir, pct, save_plot, scratch_dir, table, verdict
 from sglang_kvbm.demo import _stream_generate
 from sglang_kvbm.testing.model import DEMO, make_model, prompt_ids
 from sglang_kvbm.testing.server import SglangServer
@@ -92,7 +91,7 @@ def hicache_configs(args, working_set):
     if args.device == "cpu":  # HiCache does not start on CPU as shipped: patch it in its own processes only
         env = {"PYTHONPATH": str(Path(__file__).parent / "hicache_cpu"), "KVBM_BENCH_HICACHE_CPU": "1"}
     ratio = str(max(2, -(-2 * working_set // args.pool)))
-    l3 = {**env, "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": tempfile.mkdtemp(prefix="hicache-l3-")}
+    l3 = {**env, "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": scratch_dir("hicache-l3-")}
     return [
         ("hicache-G2", args.pool, HICACHE + ["--hicache-ratio", ratio], env),
         ("hicache-G2+L3", args.pool, HICACHE + ["--hicache-ratio", "1", "--hicache-storage-backend", "file"], l3),
@@ -118,7 +117,7 @@ def main(argv=None) -> int:
     print(f"# {args.conversations} conversations x {args.turns} turns, working set ~{working_set} tokens, "
           f"device pool {args.pool} tokens, page {args.page_size}, device {args.device}", flush=True)
     extra = [] if args.device == "cpu" else ["--device", args.device]
-    disk_dir = tempfile.mkdtemp(prefix="kvbm-bench-disk-")
+    disk_dir = scratch_dir("kvbm-bench-disk-")
     configs = [
         ("stock", args.pool, [], {}),
         ("stock-unbounded", working_set * 2, [], {}),

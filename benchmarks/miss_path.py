@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 
-from common import mean, out_dir, pct, save_plot, table, verdict
+from common import mean, out_dir, pct, save_plot, scratch_dir, table, verdict
 from sglang_kvbm.demo import _stream_generate
 from sglang_kvbm.testing.model import DEMO, make_model, prompt_ids
 from sglang_kvbm.testing.server import SglangServer
@@ -42,7 +41,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     out = out_dir()
     model = make_model(out / "model-demo", DEMO)
-    disk_dir = tempfile.mkdtemp(prefix="kvbm-bench-miss-")
+    disk_dir = scratch_dir("kvbm-bench-miss-")
     configs = {
         "stock": ([], {}),
         "kvbm-G2": (["--radix-cache-backend", "kvbm"], {"DYN_KVBM_CPU_CACHE_GB": "2"}),

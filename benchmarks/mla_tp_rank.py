@@ -7,10 +7,11 @@ import datetime
 import json
 import os
 import statistics
-import tempfile
 import time
 from array import array
 from collections import deque
+
+from common import scratch_dir
 
 KV_LORA_RANK, ROPE_DIM = 512, 64  # DeepSeek-V2/V3/R1, Kimi-K2
 LATENT_BYTES = (KV_LORA_RANK + ROPE_DIM) * 2  # bf16, per token per layer
@@ -120,7 +121,7 @@ class Side:
         )
         self.tiers = tiers
         if tiers:
-            self.disk_dir = tempfile.mkdtemp(prefix=f"kvbm-mla-tp{rank}-")
+            self.disk_dir = scratch_dir(f"kvbm-mla-tp{rank}-")
             config = KvbmConfig(cpu_cache_blocks=host_blocks, disk_cache_dir=self.disk_dir)
             self.cache = build_cache(params, config)
             self.tree, self.linker = self.cache.tree, self.cache.linker
