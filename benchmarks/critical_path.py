@@ -32,7 +32,7 @@ This VM's timings drift by up to ±30% within minutes, so the caches take turns
 over ``--rounds`` rounds: each figure is its median across rounds, each ratio
 the median of the rounds' own ratios (with its range).
 
-    python benchmarks/critical_path.py                      # ~6 minutes (3 rounds of 1500 requests)
+    python benchmarks/critical_path.py                      # ~2 minutes (3 rounds of 1500 requests)
     python benchmarks/critical_path.py --requests 600 --rounds 5 --events
     python benchmarks/critical_path.py --page-size 1 --requests 300 --profile
 """
@@ -284,9 +284,9 @@ def main(argv=None) -> int:
             linked = kind.endswith("KvbmLinker")
             run = (lambda c, a, r, prof=None: hicache_inproc.replay(c, a, r, page)) if kind == "HiRadixCache" else (
                 lambda c, a, r, prof=None: replay(c, a, r, linked, page, prof, not args.no_gap))
-            for warm, rounds in ((True, requests[:50]), (False, requests)):  # a warm-up, then the run
+            for warm, part in ((True, requests[:50]), (False, requests)):  # a warm-up, then the run
                 cache, allocator, owner = build(kind, args.pool, host_blocks, page, args.events)
-                spent = run(cache, allocator, rounds)
+                spent = run(cache, allocator, part)
                 if not warm:
                     per_round[kind].append(spent)
                 if owner is not None:
