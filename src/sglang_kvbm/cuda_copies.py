@@ -1,26 +1,33 @@
-"""The CUDA side of :class:`~sglang_kvbm.kv_layout.PagedKvLayout`'s copies: ordered by the stream, never by the host.
+"""The CUDA side of :class:`~sglang_kvbm.kv_layout.PagedKvLayout`'s copies: the GPU reads and writes the pinned
+host tier itself, ordered by the stream, never by the host.
 
-Each copy worker thread owns, from its start (:func:`start_worker`, the
-thread's initializer): the device it copies on (``torch.cuda.set_device``:
-without it a thread of a TP rank other than 0 creates a context on GPU 0), a
-device staging buffer and two pinned host buffers of :data:`STAGING_BYTES`,
-allocated before serving, so nothing is allocated or pinned mid-serving
-outside SGLang's memory budget. Every copy is enqueued on the thread's current
-stream (the worker's own, see ``PagedKvLayout.copying``):
+Host memory the tiers use is page-locked once (:func:`pin`, ``cudaHostRegister``)
+and, under CUDA's unified addressing, the GPU reaches it at the same address:
+:func:`host_alias` wraps it as a CUDA tensor, so a copy between the pool and a
+host slab is an ordinary gather/scatter *kernel* whose one side is host memory
+over PCIe, as SGLang's HiCache ``kernel`` I/O backend does it
+(``sgl_kernel.kvcacheio``), and not a chain of DMA + host-side gather:
 
-* **device -> host** (:func:`save`): the pages of every buffer are gathered on
-  the device into the staging buffer as *whole padded rows* (so the copy into
-  the host slab is one contiguous, asynchronous DMA per chunk of consecutive
-  rows; a slice of a row would be a strided, synchronous pageable copy), then
-  copied to the slab (consecutive rows) or to a pinned buffer and scattered on
-  the host. The worker waits for its own stream at the end: an offload is
+* **device -> host** (:func:`save`): per buffer, one ``index_select`` of the
+  pages straight into the host rows' columns when the rows are one run;
+  otherwise a gather into this worker's device staging, then an ``index_copy_``
+  into the rows. The worker waits for its stream at the end: an offload is
   reported done only once its bytes are in host memory.
-* **host -> device** (:func:`load`): a layer's columns of the rows are gathered
-  on the host into a pinned buffer (double-buffered: the gather of the next
-  chunk overlaps the DMA of the previous one, each buffer reused only after
-  the event of its last DMA), copied to the device staging, and scattered into
-  the pages with one ``index_copy_`` per buffer. Nothing waits for the device:
-  the caller records the layer's event after it (see ``layer_counter``).
+* **host -> device** (:func:`load`): per buffer of the layer, one ``index_copy_``
+  into the pages straight from the host rows' columns when the rows are one run;
+  otherwise a gather from host into staging, then the scatter. Nothing waits for
+  the device: the caller records the layer's event after it (``layer_counter``).
+
+A few kernels per buffer for a whole batch, whatever its page count: the first
+design (a pinned double buffer gathered on the host, a DMA, then a device
+scatter, per 32 MiB chunk) ran G1->G2 at 0.25 and G2->G1 at 0.16 of a plain
+pinned ``memcpy`` on an H100 (``benchmarks/tier_io.py --device cuda``), bound by
+the host gather and by launches per chunk.
+
+Each copy worker thread owns, from its start (:func:`start_worker`): the device
+it copies on (``torch.cuda.set_device``: without it a thread of a TP rank other
+than 0 opens a context on GPU 0) and a device staging buffer of
+:data:`STAGING_BYTES`, allocated before serving, not mid-serving.
 
 Imports torch only.
 """
@@ -28,105 +35,137 @@ Imports torch only.
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 
 from sglang_kvbm.kv_layout import run_start
 
-STAGING_BYTES = 32 << 20  # per buffer: device staging, and each of the two pinned host buffers
+STAGING_BYTES = 32 << 20  # a worker's device staging: what one gather holds at most
 
 _local = threading.local()
+_pinned: dict[int, tuple[int, dict]] = {}  # base address -> (bytes, {device index: uint8 CUDA alias})
+_pinned_lock = threading.Lock()
+
+
+def pin(raw: torch.Tensor) -> None:
+    """Page-lock all of ``raw``'s memory (one ``cudaHostRegister``), for as long as ``raw`` lives.
+
+    The whole allocation, not an aligned view of it: ``Tensor.is_pinned()`` asks
+    about the storage's first byte."""
+    base, nbytes = raw.data_ptr(), raw.numel() * raw.element_size()
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(base, nbytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(err)}")
+    with _pinned_lock:
+        _pinned[base] = (nbytes, {})
+    weakref.finalize(raw, _unpin, base)
+
+
+def _unpin(base: int) -> None:
+    with _pinned_lock:
+        _pinned.pop(base, None)
+    torch.cuda.cudart().cudaHostUnregister(base)
+
+
+class _HostMemory:
+    """Registered host memory described to torch as CUDA memory (UVA: the device uses the host's address)."""
+
+    def __init__(self, base: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (base, False), "version": 3, "strides": None,
+        }
+
+
+def host_alias(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CUDA tensor of ``host``'s shape, strides and dtype over the same (pinned) bytes: kernels on ``device``
+    read and write ``host`` through it."""
+    ptr = host.data_ptr()
+    with _pinned_lock:
+        found = next(((b, n, a) for b, (n, a) in _pinned.items() if b <= ptr < b + n), None)
+        if found is None:
+            raise ValueError("host memory the GPU copies to or from must be pinned by cuda_copies.pin "
+                             "(PagedKvLayout.host_slab(pin=True))")
+        base, nbytes, aliases = found
+        index_ = device.index if device.index is not None else torch.cuda.current_device()
+        alias = aliases.get(index_)
+        if alias is None:
+            with torch.cuda.device(index_):
+                alias = aliases[index_] = torch.as_tensor(_HostMemory(base, nbytes), device=f"cuda:{index_}")
+    size = host.element_size()
+    return alias.view(host.dtype).as_strided(host.shape, host.stride(), (ptr - base) // size)
 
 
 class _Staging:
     def __init__(self, device: torch.device, nbytes: int) -> None:
         self.device_buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        self.pinned = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        self.released = [None, None]  # event after the last DMA out of each pinned buffer
-        self.turn = 0
-
-    def next_pinned(self) -> tuple[torch.Tensor, int]:
-        """The pinned buffer to fill next, once its previous DMA has ended (a wait on this worker only)."""
-        i, self.turn = self.turn, 1 - self.turn
-        if self.released[i] is not None:
-            self.released[i].synchronize()
-        return self.pinned[i], i
-
-    def dma_issued(self, i: int) -> None:
-        event = torch.cuda.Event()
-        event.record()
-        self.released[i] = event
 
 
 def start_worker(device: torch.device, row_bytes: int = 0) -> None:
     """Thread initializer of a copy worker: its device, and its staging allocated now, not mid-serving
-    (:data:`STAGING_BYTES`, or one block row where a row is larger)."""
+    (:data:`STAGING_BYTES`, or one page of a buffer where that is larger)."""
     torch.cuda.set_device(device)
     _local.staging = _Staging(device, max(STAGING_BYTES, row_bytes))
 
 
-def _staging(device: torch.device, row_bytes: int) -> _Staging:
+def _staging(device: torch.device, row_bytes: int) -> torch.Tensor:
     staging = getattr(_local, "staging", None)
     if staging is None or staging.device_buf.numel() < row_bytes:  # not started as a copy worker (tests, tools)
         start_worker(device, row_bytes)
         staging = _local.staging
-    return staging
+    return staging.device_buf
 
 
-def _rows_per_chunk(staging: _Staging, row_bytes: int) -> int:
-    return max(1, staging.device_buf.numel() // row_bytes)
+def _on_device(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host row numbers as a device index, copied from pinned memory on the current stream (no host sync)."""
+    return rows if rows.device == device else rows.pin_memory().to(device, non_blocking=True)
 
 
-def save(views, spans, wtype, block_words: int, host: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor) -> None:
-    """Device ``pages`` of every buffer into host ``rows`` (whole rows); returns when the bytes are there."""
-    word = torch.empty((), dtype=wtype).element_size()
-    staging = _staging(pages.device, block_words * word)
-    step = _rows_per_chunk(staging, block_words * word)
-    device_rows = staging.device_buf[: step * block_words * word].view(wtype).view(step, block_words)
-    for start in range(0, rows.numel(), step):
-        chunk_rows, chunk_pages = rows[start : start + step], pages[start : start + step]
-        n = chunk_rows.numel()
-        gathered = device_rows[:n]
-        for view, (off, width) in zip(views, spans):
-            gathered[:, off : off + width] = view.index_select(0, chunk_pages)
-        r0 = run_start(chunk_rows)
-        if r0 is not None:
-            host[r0 : r0 + n].copy_(gathered, non_blocking=True)
+def save(views, spans, wtype, host: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor) -> None:
+    """Device ``pages`` of every buffer into host ``rows`` (CPU index); returns when the bytes are there."""
+    device = pages.device
+    target = host_alias(host, device)
+    r0 = run_start(rows)
+    rows_d = None if r0 is not None else _on_device(rows, device)
+    word = target.element_size()
+    n = rows.numel()
+    for view, (off, width) in zip(views, spans):
+        columns = target[:, off : off + width]
+        if r0 is not None:  # one kernel: the gather writes the host rows' columns over PCIe
+            torch.index_select(view, 0, pages, out=columns[r0 : r0 + n])
             continue
-        pinned, i = staging.next_pinned()
-        landed = pinned[: n * block_words * word].view(wtype).view(n, block_words)
-        landed.copy_(gathered, non_blocking=True)
-        staging.dma_issued(i)
-        staging.released[i].synchronize()  # the host scatter below reads what the DMA wrote
-        host.index_copy_(0, chunk_rows, landed)
+        buf = _staging(device, width * word).view(wtype)
+        step = max(1, buf.numel() // width)
+        for start in range(0, n, step):
+            stop = min(n, start + step)
+            gathered = buf[: (stop - start) * width].view(stop - start, width)
+            torch.index_select(view, 0, pages[start:stop], out=gathered)
+            columns.index_copy_(0, rows_d[start:stop], gathered)
     torch.cuda.current_stream().synchronize()
 
 
-def load(views, spans, wtype, host: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor, buffers) -> None:
+def load(views, spans, host: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor, buffers, r0=None) -> None:
     """Host ``rows`` of ``buffers`` into device ``pages``, enqueued on the current stream (no wait for it).
 
-    Staged buffer-major (each buffer's columns of the chunk's rows contiguous),
-    so every host gather writes a contiguous output and every scatter on the
-    device reads one.
-    """
-    word = torch.empty((), dtype=wtype).element_size()
-    parts = [spans[b] for b in buffers]
-    words = sum(width for _, width in parts)
-    staging = _staging(pages.device, words * word)
-    step = _rows_per_chunk(staging, words * word)
-    for start in range(0, rows.numel(), step):
-        chunk_rows, chunk_pages = rows[start : start + step], pages[start : start + step]
-        n = chunk_rows.numel()
-        pinned, i = staging.next_pinned()
-        gathered = pinned[: n * words * word].view(wtype)
-        at = 0
-        for off, width in parts:  # this layer's columns of the rows, gathered on the host
-            torch.index_select(host[:, off : off + width], 0, chunk_rows, out=gathered[at : at + n * width].view(n, width))
-            at += n * width
-        staged = staging.device_buf[: n * words * word].view(wtype)
-        staged.copy_(gathered, non_blocking=True)
-        staging.dma_issued(i)
-        at = 0
-        for b, (_, width) in zip(buffers, parts):
-            views[b].index_copy_(0, chunk_pages, staged[at : at + n * width].view(n, width))
-            at += n * width
+    ``rows``: a host or device index; ``r0``: its first row when it is one run
+    (``run_start``, known to the caller without a device sync)."""
+    device = pages.device
+    source = host_alias(host, device)
+    if r0 is None and not rows.is_cuda:
+        r0 = run_start(rows)
+    rows_d = None if r0 is not None else _on_device(rows, device)
+    n = pages.numel()
+    for b in buffers:
+        off, width = spans[b]
+        columns, view = source[:, off : off + width], views[b]
+        if r0 is not None:  # one kernel, reading the host rows' columns over PCIe
+            view.index_copy_(0, pages, columns[r0 : r0 + n])
+            continue
+        buf = _staging(device, width * columns.element_size()).view(columns.dtype)
+        step = max(1, buf.numel() // width)
+        for start in range(0, n, step):
+            stop = min(n, start + step)
+            gathered = buf[: (stop - start) * width].view(stop - start, width)
+            torch.index_select(columns, 0, rows_d[start:stop], out=gathered)
+            view.index_copy_(0, pages[start:stop], gathered)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import weakref
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
@@ -37,33 +36,25 @@ def aligned_empty(shape: tuple[int, int], *, pin: bool = False) -> torch.Tensor:
     a byte, so alignment is guaranteed here rather than hoped for.
 
     Pinning gigabytes takes seconds: the pages are first touched a chunk at a
-    time (with progress), then page-locked with one ``cudaHostRegister``.
+    time (with progress), then page-locked with one ``cudaHostRegister``
+    (``cuda_copies.pin``: the GPU then reads and writes them in place).
     """
     nbytes = shape[0] * shape[1]
     raw = torch.empty(nbytes + BLOCK_ALIGN, dtype=torch.uint8)
     offset = (-raw.data_ptr()) % BLOCK_ALIGN
     tensor = raw[offset : offset + nbytes].view(shape)
     if pin:
-        _pin(tensor)
+        from sglang_kvbm import cuda_copies
+        from sglang_kvbm.progress import Progress
+
+        chunk = 256 << 20
+        with Progress(raw.numel(), "pinning the host tier") as progress:
+            for start in range(0, raw.numel(), chunk):
+                part = raw[start : start + chunk]
+                part.zero_()
+                progress.update(part.numel())
+        cuda_copies.pin(raw)  # unregistered when the last view of ``raw`` goes (its owner keeps it while it copies)
     return tensor
-
-
-def _pin(tensor: torch.Tensor) -> None:
-    from sglang_kvbm.progress import Progress
-
-    flat = tensor.view(-1)
-    chunk = 256 << 20
-    with Progress(flat.numel(), "pinning the host tier") as progress:
-        for start in range(0, flat.numel(), chunk):
-            part = flat[start : start + chunk]
-            part.zero_()
-            progress.update(part.numel())
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0)
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {tensor.numel()} bytes failed with CUDA error {int(err)}")
-    # Unregistered when the returned tensor goes (its owner keeps it for as long as it copies).
-    weakref.finalize(tensor, cudart.cudaHostUnregister, tensor.data_ptr())
 
 
 def index(values: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
@@ -210,7 +201,7 @@ class PagedKvLayout:
             return
         from sglang_kvbm import cuda_copies
 
-        cuda_copies.save(self._views, self._spans, self._wtype, self.block_bytes // self._word, host, rows, pages)
+        cuda_copies.save(self._views, self._spans, self._wtype, host, rows, pages)
 
     # -- host -> device -----------------------------------------------------
 
@@ -223,7 +214,8 @@ class PagedKvLayout:
         On CPU it returns when they landed; on CUDA the copy is enqueued on the
         current stream (record an event after it). ``runs``: ``(run_start(rows),
         run_start(pages))`` when the caller loads the same rows layer after
-        layer (CPU only; computed here otherwise).
+        layer (computed here otherwise; on CUDA ``rows`` may then be a device
+        index, and the pages' run is not used).
         """
         if pages.numel() != rows.numel():
             raise ValueError(f"{rows.numel()} rows for {pages.numel()} pages")
@@ -235,7 +227,7 @@ class PagedKvLayout:
             return
         from sglang_kvbm import cuda_copies
 
-        cuda_copies.load(self._views, self._spans, self._wtype, host, rows, pages, self.layers[layer])
+        cuda_copies.load(self._views, self._spans, host, rows, pages, self.layers[layer], r0=runs[0] if runs else None)
 
     # -- CPU: one slice copy per buffer for contiguous runs, else gather + scatter --
 

@@ -9,19 +9,19 @@ a set of CUDA tensors laid out like SGLang's MHA pool (token rows x heads x dim)
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
+from sglang_kvbm import cuda_copies  # noqa: E402
 from sglang_kvbm.backends.local.lanes import LaneExecutor  # noqa: E402
 from sglang_kvbm.backends.local.layer_loader import LayerLoader  # noqa: E402
 from sglang_kvbm.backends.local.manager import LocalBlockManager  # noqa: E402
 from sglang_kvbm.core.identity import chain_hashes  # noqa: E402
 from sglang_kvbm.core.ports import BlockMeta, StoreRequest  # noqa: E402
-from sglang_kvbm.kv_layout import PagedKvLayout  # noqa: E402
+from sglang_kvbm.kv_layout import PagedKvLayout, index  # noqa: E402
 from sglang_kvbm.layer_counter import LayerCounter  # noqa: E402
 
 PAGE = 16
@@ -71,7 +71,11 @@ def test_pinned_slab_is_page_locked_aligned_and_copies_from_it_are_asynchronous(
     _, layout = cuda_layout(pages=8)
     slab = layout.host_slab(128, pin=True)  # 128 rows of 4 layers' pages
     assert slab.data_ptr() % 4096 == 0
-    assert slab.is_pinned()  # cudaHostRegister took it
+    assert slab.is_pinned()  # cudaHostRegister took it (all of the allocation the aligned view is in)
+    alias = cuda_copies.host_alias(slab, layout.device)  # the GPU writes the host rows in place
+    alias[3].fill_(7)
+    torch.cuda.synchronize()
+    assert int(slab[3].sum()) == 7 * slab.shape[1] and int(slab[2].sum()) == 0
     pinned = layout.host_slab(max(1, (256 << 20) // layout.block_bytes), pin=True).view(-1)
     dst = torch.empty(pinned.shape, dtype=torch.uint8, device="cuda")
     done = torch.cuda.Event()
@@ -85,7 +89,7 @@ def test_copy_streams_alias_neither_sglangs_nor_each_other():
     _, layout = cuda_layout(pages=8)
     forward = torch.cuda.Stream()
     layout.avoid_streams(torch.cuda.current_stream(), forward)
-    drawn = [layout.new_stream() for _ in range(40)]  # more than PyTorch's pool of 32 per priority
+    drawn = [layout.new_stream() for _ in range(24)]  # more than a server draws (PyTorch's pool: 32 per priority)
     handles = [s.cuda_stream for s in drawn]
     assert len(set(handles)) == len(handles)
     assert forward.cuda_stream not in handles and torch.cuda.current_stream().cuda_stream not in handles
@@ -94,7 +98,6 @@ def test_copy_streams_alias_neither_sglangs_nor_each_other():
 def test_each_copy_worker_runs_on_the_pools_device_with_its_staging_made_at_start():
     _, layout = cuda_layout(pages=8)
     worker = LaneExecutor("kvbm-test-copy", layout.worker_init())
-    from sglang_kvbm import cuda_copies
 
     def where():
         return torch.cuda.current_device(), getattr(cuda_copies._local, "staging", None) is not None
@@ -135,7 +138,8 @@ def test_an_offload_waits_on_the_gpu_for_the_forward_that_writes_its_pages():
 
 def test_layer_wise_load_on_a_forward_stream_reads_each_layer_after_its_wait():
     """The forward runs on its own stream and reads layer l right after wait_until(l), while later layers are
-    still being copied; every layer it read equals what was stored, and the scheduler thread only enqueues."""
+    still being copied; every layer it read equals what was stored, and the scheduler thread only enqueues (start()
+    returns while what the loads wait for is still running on the GPU)."""
     buffers, layout = cuda_layout(pages=1024, layers=8)
     manager = LocalBlockManager(layout, 512, pin=True)
     pages = list(range(0, 256))
@@ -148,12 +152,15 @@ def test_layer_wise_load_on_a_forward_stream_reads_each_layer_after_its_wait():
     targets = list(range(512, 768))
     counter = LayerCounter(layout.num_layers, cuda=True)
     loader = LayerLoader(manager, counter)
-    forward = torch.cuda.Stream()
-    ready = torch.cuda.Event()
-    ready.record()
-    started = time.perf_counter()
-    index_ = loader.start([(plan, slots_of(targets))], [ready])
-    enqueue_seconds = time.perf_counter() - started
+    forward, gate = torch.cuda.Stream(), torch.cuda.Stream()
+    slots = slots_of(targets)
+    gate.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(gate):  # what the loads wait for ends ~0.5 s from now, on the GPU
+        torch.cuda._sleep(1_000_000_000)
+        ready = torch.cuda.Event()
+        ready.record()
+    index_ = loader.start([(plan, slots)], [ready])
+    assert not ready.query(), "start() waited for the GPU: the scheduler thread must only enqueue"
     counter.set_consumer(index_)
     read = []
     with torch.cuda.stream(forward):
@@ -168,7 +175,6 @@ def test_layer_wise_load_on_a_forward_stream_reads_each_layer_after_its_wait():
         assert torch.equal(k, buffers[kb][512 * PAGE : 768 * PAGE]) and torch.equal(v, buffers[vb][512 * PAGE : 768 * PAGE])
     for page, want in zip(targets, stored):
         assert torch.equal(layout.read_page(page), want)
-    assert enqueue_seconds < 0.05, f"start() held the scheduler thread {enqueue_seconds * 1e3:.1f} ms"
     loader.close()
     manager.release(plan)
     manager.close()
@@ -240,3 +246,21 @@ def test_a_failed_load_is_reported_and_its_enqueued_copies_end_first():
     loader.close()
     manager.release(plan)
     manager.close()
+
+
+@pytest.mark.parametrize("rows", [[40, 41, 42, 43, 44, 45], [9, 2, 77, 3, 120, 64]], ids=["one run", "scattered"])
+def test_save_and_layer_loads_between_the_pool_and_host_rows_directly(rows):
+    """The copies themselves (no manager): device pages into host rows, then every layer back into other pages,
+    with the rows one run (a strided slice read or written over PCIe) or scattered (a gather through staging)."""
+    buffers, layout = cuda_layout(pages=128)
+    slab = layout.host_slab(128, pin=True)
+    pages, targets = [3, 90, 17, 18, 19, 64], [100, 5, 6, 7, 50, 127]
+    stored = [layout.read_page(p) for p in pages]
+    layout.save(index(pages, "cuda"), slab, index(rows))
+    for row, want in zip(rows, stored):
+        assert torch.equal(slab[row, : layout.page_bytes], want)
+    for layer in range(layout.num_layers):
+        layout.load_layer(layer, slab, index(rows), index(targets, "cuda"))
+    torch.cuda.synchronize()
+    for page, want in zip(targets, stored):
+        assert torch.equal(layout.read_page(page), want)

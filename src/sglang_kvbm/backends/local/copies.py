@@ -87,7 +87,7 @@ def disk_to_staging(disk, entries, slab, header_slab, rows) -> tuple[list[tuple[
 class LoadBatch:
     """What one forward's loads copy, per source slab: rows there, device pages here."""
 
-    # (slab, rows, pages, runs): runs as PagedKvLayout.load_layer takes them, found once per batch (CPU)
+    # (slab, rows, pages, runs): runs as PagedKvLayout.load_layer takes them, found once per batch
     sources: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[tuple]], ...]
     blocks: dict  # Tier -> blocks loaded from it (HOST; DISK via staging)
     nbytes: int
@@ -107,7 +107,11 @@ def load_batch(layout: PagedKvLayout, parts: Sequence[tuple[torch.Tensor, Sequen
     sources = []
     for slab, rows, pages in by_slab.values():
         rows, pages = index(rows), torch.cat(pages)
-        runs = None if layout.is_cuda else (run_start(rows), run_start(pages))
+        if layout.is_cuda:  # the pages are on the device: no run without a sync; the rows go there once, here
+            runs = (run_start(rows), None)
+            rows = rows if runs[0] is not None else rows.pin_memory().to(layout.device, non_blocking=True)
+        else:
+            runs = (run_start(rows), run_start(pages))
         sources.append((slab, rows, pages, runs))
     total = sum(blocks.values())
     return LoadBatch(tuple(sources), blocks, total * layout.page_bytes)
