@@ -248,11 +248,12 @@ def test_a_failed_load_is_reported_and_its_enqueued_copies_end_first():
     manager.close()
 
 
+@pytest.mark.parametrize("page", [16, 1], ids=["64 KiB a buffer", "2 KiB a buffer (rows assembled on the device)"])
 @pytest.mark.parametrize("rows", [[40, 41, 42, 43, 44, 45], [9, 2, 77, 3, 120, 64]], ids=["one run", "scattered"])
-def test_save_and_layer_loads_between_the_pool_and_host_rows_directly(rows):
+def test_save_and_layer_loads_between_the_pool_and_host_rows_directly(rows, page):
     """The copies themselves (no manager): device pages into host rows, then every layer back into other pages,
     with the rows one run (a strided slice read or written over PCIe) or scattered (a gather through staging)."""
-    buffers, layout = cuda_layout(pages=128)
+    buffers, layout = cuda_layout(pages=128, page=page)
     slab = layout.host_slab(128, pin=True)
     pages, targets = [3, 90, 17, 18, 19, 64], [100, 5, 6, 7, 50, 127]
     stored = [layout.read_page(p) for p in pages]
