@@ -97,7 +97,11 @@ def host_alias(host: torch.Tensor, device: torch.device) -> torch.Tensor:
         alias = aliases.get(index_)
         if alias is None:
             with torch.cuda.device(index_):
-                alias = aliases[index_] = torch.as_tensor(_HostMemory(base, nbytes), device=f"cuda:{index_}")
+                alias = torch.as_tensor(_HostMemory(base, nbytes), device=f"cuda:{index_}")
+            if alias.data_ptr() != base:  # torch placed it on another device and copied it: not an alias
+                raise RuntimeError(f"host memory registered on another GPU than cuda:{index_}: register it with "
+                                   "the pool's device current (torch.cuda.set_device) before the tiers are built")
+            aliases[index_] = alias
     size = host.element_size()
     return alias.view(host.dtype).as_strided(host.shape, host.stride(), (ptr - base) // size)
 
