@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence
 
 from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.tiers import Tier
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class EventIdentity:
+class EventIdentity(NamedTuple):
     """How KV events name a page: Dynamo's router links blocks by these ids.
 
     The adapter computes these with the engine's own event code, so a page
@@ -29,12 +28,13 @@ class EventIdentity:
     bigram: bool = False  # EAGLE keys: the page's events carry (token, next token) pairs, its meta one token more
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class BlockMeta:
+class BlockMeta(NamedTuple):
     """Everything a tier keeps about a page besides its bytes.
 
     ``parent_id`` is the block id of the page before it in its sequence (None
     for a first page): a block is only worth holding if its parent is held too.
+    A named tuple: one is built per stored page on a copy thread, holding the GIL
+    (1 us, against 2 for a frozen dataclass).
     """
 
     block_id: BlockId

@@ -14,7 +14,6 @@ them with the real tree's events for every namespace variant).
 
 from __future__ import annotations
 
-from array import array
 from types import SimpleNamespace
 from typing import Optional, Sequence
 
@@ -50,7 +49,8 @@ class InsertContext:
     __slots__ = ("tokens", "extra_key", "cache_salt", "bigram", "priority", "page_size", "events")
 
     def __init__(self, key: RadixKey, priority: int, page_size: int, events: Optional[EventSettings]) -> None:
-        self.tokens = array("q", key.raw_token_ids())
+        ids = key.raw_token_ids()  # a copy (C: a list's pointers or an array's bytes), not a conversion per token
+        self.tokens = ids[:] if ids is key.token_ids else ids
         self.extra_key = key.extra_key
         self.cache_salt = key.cache_salt
         self.bigram = key.is_bigram  # EAGLE: the tree keys pages by (token, next token) pairs
