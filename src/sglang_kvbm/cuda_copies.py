@@ -131,25 +131,19 @@ def _on_device(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
     return rows if rows.device == device else rows.pin_memory().to(device, non_blocking=True)
 
 
-def save(views, spans, wtype, host: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor) -> None:
+def save(views, spans, host: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor) -> None:
     """Device ``pages`` of every buffer into host ``rows`` (CPU index); returns when the bytes are there."""
     device = pages.device
     target = host_alias(host, device)
     r0 = run_start(rows)
     rows_d = None if r0 is not None else _on_device(rows, device)
-    word, n = target.element_size(), rows.numel()
+    n = rows.numel()
     for view, (off, width) in zip(views, spans):
         columns = target[:, off : off + width]
         if r0 is not None:  # one kernel: the gather writes the host rows' columns over PCIe
             torch.index_select(view, 0, pages, out=columns[r0 : r0 + n])
-            continue
-        buf = _staging(device, width * word).view(wtype)
-        step = max(1, buf.numel() // width)
-        for start in range(0, n, step):
-            stop = min(n, start + step)
-            gathered = buf[: (stop - start) * width].view(stop - start, width)
-            torch.index_select(view, 0, pages[start:stop], out=gathered)
-            columns.index_copy_(0, rows_d[start:stop], gathered)
+        else:
+            _through_staging(view, pages, columns, rows_d)
     torch.cuda.current_stream().synchronize()
 
 
@@ -169,11 +163,19 @@ def load(views, spans, host: torch.Tensor, rows: torch.Tensor, pages: torch.Tens
         columns, view = source[:, off : off + width], views[b]
         if r0 is not None:  # one kernel, reading the host rows' columns over PCIe
             view.index_copy_(0, pages, columns[r0 : r0 + n])
-            continue
-        buf = _staging(device, width * columns.element_size()).view(columns.dtype)
-        step = max(1, buf.numel() // width)
-        for start in range(0, n, step):
-            stop = min(n, start + step)
-            gathered = buf[: (stop - start) * width].view(stop - start, width)
-            torch.index_select(columns, 0, rows_d[start:stop], out=gathered)
-            view.index_copy_(0, pages[start:stop], gathered)
+        else:
+            _through_staging(columns, rows_d, view, pages)
+
+
+def _through_staging(source, source_index, target, target_index) -> None:
+    """``target[target_index] = source[source_index]`` for indexes no slice covers: gathered into this worker's
+    device staging (one side may be host memory, read or written over PCIe), a staging's worth at a time."""
+    width = source.shape[1]
+    buf = _staging(target_index.device, width * source.element_size()).view(source.dtype)
+    step = max(1, buf.numel() // width)
+    n = source_index.numel()
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        gathered = buf[: (stop - start) * width].view(stop - start, width)
+        torch.index_select(source, 0, source_index[start:stop], out=gathered)
+        target.index_copy_(0, target_index[start:stop], gathered)

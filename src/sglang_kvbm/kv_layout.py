@@ -208,7 +208,7 @@ class PagedKvLayout:
             return
         from sglang_kvbm import cuda_copies
 
-        cuda_copies.save(self._views, self._spans, self._wtype, host, rows, pages)
+        cuda_copies.save(self._views, self._spans, host, rows, pages)
 
     # -- host -> device -----------------------------------------------------
 
