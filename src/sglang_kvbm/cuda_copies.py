@@ -53,19 +53,16 @@ _pinned: dict[int, tuple[int, dict]] = {}  # base address -> (bytes, {device ind
 _pinned_lock = threading.Lock()
 
 
-def pin(raw: torch.Tensor) -> None:
-    """Page-lock all of ``raw``'s memory (one ``cudaHostRegister``), for as long as ``raw`` lives.
-
-    The whole allocation, not an aligned view of it: ``Tensor.is_pinned()`` asks
-    about the storage's first byte."""
-    base, nbytes = raw.data_ptr(), raw.numel() * raw.element_size()
+def pin(memory, base: int) -> None:
+    """Page-lock ``memory`` (an ``mmap``, at address ``base``) with one ``cudaHostRegister``, until it is freed."""
+    nbytes = len(memory)
     cudart = torch.cuda.cudart()
     err = cudart.cudaHostRegister(base, nbytes, 0)
     if int(err) != 0:
         raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(err)}")
     with _pinned_lock:
         _pinned[base] = (nbytes, {})
-    weakref.finalize(raw, _unpin, base)
+    weakref.finalize(memory, _unpin, base)
 
 
 def _unpin(base: int) -> None:

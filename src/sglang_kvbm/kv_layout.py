@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import mmap
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
@@ -29,32 +30,35 @@ BLOCK_ALIGN = 4096
 
 
 def aligned_empty(shape: tuple[int, int], *, pin: bool = False) -> torch.Tensor:
-    """An uninitialised uint8 tensor whose first byte is 4 KiB-aligned, page-locked if ``pin``.
+    """An uint8 tensor whose first byte is 4 KiB-aligned, page-locked if ``pin``.
 
-    torch aligns host allocations to 64 bytes; O_DIRECT needs 4096, and NIXL's
-    POSIX backend reports an unaligned O_DIRECT transfer as done without moving
-    a byte, so alignment is guaranteed here rather than hoped for.
+    O_DIRECT needs 4096-byte alignment (torch aligns host allocations to 64), and
+    NIXL's POSIX backend reports an unaligned O_DIRECT transfer as done without
+    moving a byte, so alignment is guaranteed here rather than hoped for: the
+    memory is an anonymous ``mmap`` (page-aligned, zero-filled as it is touched),
+    which the tensor's storage keeps, and every view of it keeps the storage.
+    Page-locked memory is unregistered when that mapping goes, i.e. with the
+    last view of it, not with one Python object that views it.
 
     Pinning gigabytes takes seconds: the pages are first touched a chunk at a
     time (with progress), then page-locked with one ``cudaHostRegister``
     (``cuda_copies.pin``: the GPU then reads and writes them in place).
     """
     nbytes = shape[0] * shape[1]
-    raw = torch.empty(nbytes + BLOCK_ALIGN, dtype=torch.uint8)
-    offset = (-raw.data_ptr()) % BLOCK_ALIGN
-    tensor = raw[offset : offset + nbytes].view(shape)
+    memory = mmap.mmap(-1, max(nbytes, BLOCK_ALIGN))
+    flat = torch.frombuffer(memory, dtype=torch.uint8)
     if pin:
         from sglang_kvbm import cuda_copies
         from sglang_kvbm.progress import Progress
 
         chunk = 256 << 20
-        with Progress(raw.numel(), "pinning the host tier") as progress:
-            for start in range(0, raw.numel(), chunk):
-                part = raw[start : start + chunk]
+        with Progress(flat.numel(), "pinning the host tier") as progress:
+            for start in range(0, flat.numel(), chunk):
+                part = flat[start : start + chunk]
                 part.zero_()
                 progress.update(part.numel())
-        cuda_copies.pin(raw)  # unregistered when the last view of ``raw`` goes (its owner keeps it while it copies)
-    return tensor
+        cuda_copies.pin(memory, flat.data_ptr())
+    return flat[:nbytes].view(shape)
 
 
 def index(values: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
