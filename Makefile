@@ -31,7 +31,7 @@ demo: $(STAMP)
 	$(VENV)/bin/sglang-kvbm demo
 
 test: system-deps $(STAMP) $(DYNAMO_STAMP)
-	$(VENV)/bin/python -m pytest -q -ra tests
+	$(VENV)/bin/python -m pytest -q -ra --durations=25 tests
 
 # Mooncake (the shared tier's tests start a real mooncake_master) needs libibverbs1, over TCP too.
 system-deps:

@@ -71,7 +71,7 @@ def test_pinned_slab_is_page_locked_aligned_and_copies_from_it_are_asynchronous(
     _, layout = cuda_layout(pages=8)
     slab = layout.host_slab(128, pin=True)  # 128 rows of 4 layers' pages
     assert slab.data_ptr() % 4096 == 0
-    assert slab.is_pinned()  # cudaHostRegister took it (all of the allocation the aligned view is in)
+    assert slab.is_pinned()  # cudaHostRegister took it (the whole mapping the slab views)
     alias = cuda_copies.host_alias(slab, layout.device)  # the GPU writes the host rows in place
     alias[3].fill_(7)
     torch.cuda.synchronize()
