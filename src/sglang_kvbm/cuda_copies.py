@@ -44,7 +44,7 @@ import weakref
 
 import torch
 
-from sglang_kvbm.kv_layout import run_start
+from sglang_kvbm.kv_layout import run_start, to_device
 
 STAGING_BYTES = 32 << 20  # a worker's device staging: what one gather holds at most
 
@@ -123,17 +123,12 @@ def _staging(device: torch.device, row_bytes: int) -> torch.Tensor:
     return staging.device_buf
 
 
-def _on_device(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host row numbers as a device index, copied from pinned memory on the current stream (no host sync)."""
-    return rows if rows.device == device else rows.pin_memory().to(device, non_blocking=True)
-
-
 def save(views, spans, host: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor) -> None:
     """Device ``pages`` of every buffer into host ``rows`` (CPU index); returns when the bytes are there."""
     device = pages.device
     target = host_alias(host, device)
     r0 = run_start(rows)
-    rows_d = None if r0 is not None else _on_device(rows, device)
+    rows_d = None if r0 is not None else to_device(rows, device)
     n = rows.numel()
     for view, (off, width) in zip(views, spans):
         columns = target[:, off : off + width]
@@ -153,7 +148,7 @@ def load(views, spans, host: torch.Tensor, rows: torch.Tensor, pages: torch.Tens
     source = host_alias(host, device)
     if r0 is None and not rows.is_cuda:
         r0 = run_start(rows)
-    rows_d = None if r0 is not None else _on_device(rows, device)
+    rows_d = None if r0 is not None else to_device(rows, device)
     n = pages.numel()
     for b in buffers:
         off, width = spans[b]

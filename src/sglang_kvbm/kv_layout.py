@@ -65,9 +65,12 @@ def index(values: Sequence[int], device: torch.device | str = "cpu") -> torch.Te
     """An int64 index tensor; on CUDA copied from pinned memory, asynchronously on the current stream
     (``torch.tensor(..., device="cuda")`` would be a synchronous pageable copy)."""
     host = torch.tensor(values, dtype=torch.int64)
-    if torch.device(device).type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+    return host if torch.device(device).type != "cuda" else to_device(host, device)
+
+
+def to_device(idx: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host index on ``device``, copied from pinned memory on the current stream (no host sync)."""
+    return idx if idx.is_cuda else idx.pin_memory().to(device, non_blocking=True)
 
 
 def run_start(idx: torch.Tensor) -> Optional[int]:

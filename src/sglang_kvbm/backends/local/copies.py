@@ -32,7 +32,7 @@ import torch
 
 from sglang_kvbm.core.ports import BlockMeta, StoreRequest
 from sglang_kvbm.core.tiers import Tier
-from sglang_kvbm.kv_layout import PagedKvLayout, index, run_start
+from sglang_kvbm.kv_layout import PagedKvLayout, index, run_start, to_device
 
 
 def _pages(layout: PagedKvLayout, request: StoreRequest, positions: Sequence[int]) -> torch.Tensor:
@@ -109,7 +109,7 @@ def load_batch(layout: PagedKvLayout, parts: Sequence[tuple[torch.Tensor, Sequen
         rows, pages = index(rows), torch.cat(pages)
         if layout.is_cuda:  # the pages are on the device: no run without a sync; the rows go there once, here
             runs = (run_start(rows), None)
-            rows = rows if runs[0] is not None else rows.pin_memory().to(layout.device, non_blocking=True)
+            rows = rows if runs[0] is not None else to_device(rows, layout.device)
         else:
             runs = (run_start(rows), run_start(pages))
         sources.append((slab, rows, pages, runs))
