@@ -11,6 +11,7 @@ from typing import Optional
 import pytest
 import torch
 
+from sglang_kvbm.backends.local import lookups
 from sglang_kvbm.backends.local.lanes import LaneExecutor
 from sglang_kvbm.kv_layout import PagedKvLayout
 
@@ -387,3 +388,12 @@ def stock_results(model_dir, tmp_path_factory):
     # Keyed by position: "A" is the cold run, "A2" the repeat stock serves from its device pool
     # (the two differ in the last float bits on AVX-512 machines: another attention shape).
     return dict(zip(["A", "B", "C", "A2"], results))
+
+
+@pytest.fixture
+def loads_wait_for_their_reads(monkeypatch):
+    """For tests of what a load serves, not of how long it may wait: a read of a file just recreated (or a first
+    read on a busy machine) can outlast the live budget (3x the read meter's estimate + 50 ms; a first G4 fetch
+    0.5 s), and the load would then recompute and serve nothing. ``test_disk_lanes.py`` tests that budget."""
+    monkeypatch.setattr(lookups, "WAIT_FLOOR_S", 30.0)
+    monkeypatch.setattr(lookups, "G4_FIRST_WAIT_S", 30.0)

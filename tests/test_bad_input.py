@@ -24,6 +24,8 @@ BAD = {
     "_metadata_url": ["ftp://x/metadata", "127.0.0.1:8080/metadata"],
     "_protocol": ["udp", "ib"],
     "_gib_or_zero": ["four", "-1", "nan", "inf"],
+    "_identity_name": ["my model", "v1;rm", "x" * 129, "caf\u00e9"],
+    "_file_path": ["/tmp/a\x00b"],
 }
 CASES = [(var, value) for var in _VARS for value in BAD[var.parse.__name__] if value != "" or var.parse.__name__ == "_host"]
 

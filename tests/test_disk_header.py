@@ -18,6 +18,8 @@ from sglang_kvbm.backends.local.disk.store import DiskStore
 from sglang_kvbm.core.ports import BlockMeta, EventIdentity
 from test_disk_tier import disk_stored, load_exact, on_disk_only, push_out_of_host
 
+pytestmark = pytest.mark.usefixtures("loads_wait_for_their_reads")  # what a load serves, not how long it waits
+
 WORST_ID = "f" * 64  # block ids are 64 hex characters
 NAME_ROOM = 768  # what header_bytes_for promises cache_salt + lora_name together (UTF-8)
 

@@ -26,18 +26,11 @@ from sglang.srt.disaggregation.kv_events import BlockRemoved, BlockStored
 
 from conftest import build_stack, chain_links, make_req
 from permissions import make_unwritable, make_writable
-from sglang_kvbm.backends.local import lookups
 from sglang_kvbm.backends.local.disk.setup import probe
 from sglang_kvbm.config import ConfigError
 from sglang_kvbm.integration.sglang.build import Identity
 
-
-@pytest.fixture(autouse=True)
-def loads_wait_for_their_reads(monkeypatch):
-    """These tests check what a load serves, not how long it may wait: a read of a file just recreated (or a first
-    read in a busy process) can take longer than the live budget (3x the read meter's estimate + 50 ms), and the
-    load would then recompute. ``test_disk_lanes.py`` tests that budget."""
-    monkeypatch.setattr(lookups, "WAIT_FLOOR_S", 10.0)
+pytestmark = pytest.mark.usefixtures("loads_wait_for_their_reads")  # what a load serves, not how long it waits
 
 
 _junk = itertools.count()

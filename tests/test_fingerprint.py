@@ -1,23 +1,28 @@
-"""The disk tier's identity: a block written by one model, revision, dtype or rank is never read by another.
+"""The identity of stored blocks: the same bytes share it wherever they are, other KV never does.
 
 Hub ids are resolved offline through a Hugging Face cache laid out in a temporary
 directory, the way ``huggingface_hub`` stores downloads: ``snapshots/<commit>/``
-holds symlinks into ``blobs/``, ``refs/main`` names the current commit.
+holds symlinks into ``blobs/``, named by the SHA-256 of a large (LFS) file's
+content and by git's SHA-1 of a small one; ``refs/main`` names the current commit.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 import types
 from pathlib import Path
 
 import pytest
 
-from sglang_kvbm.integration.sglang.fingerprint import server_fingerprint
+from sglang_kvbm.core.content_digest import DigestCache
+from sglang_kvbm.integration.sglang.fingerprint import model_identity, server_fingerprint
 
 REV1 = "1" * 40
 REV2 = "2" * 40
 LAYOUT = types.SimpleNamespace(page_size=4, buffer_page_bytes=[1024, 1024])
+CONFIG = b'{"model_type": "gpt2"}'
 
 
 class Pool:
@@ -31,14 +36,25 @@ def add_revision(cache: Path, repo: str, commit: str, weights: bytes, *, ref: st
     snapshot = root / "snapshots" / commit
     snapshot.mkdir(parents=True)
     (root / "blobs").mkdir(exist_ok=True)
-    for name, data in (("config.json", b'{"model_type": "gpt2"}'), ("model.safetensors", weights)):
-        blob = root / "blobs" / f"{commit[:8]}-{name}"
+    for name, data in (("config.json", CONFIG), ("model.safetensors", weights)):
+        if name.endswith(".safetensors"):  # LFS: the blob is named by the SHA-256 of its content
+            blob_name = hashlib.sha256(data).hexdigest()
+        else:  # a small file: git's blob SHA-1
+            blob_name = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+        blob = root / "blobs" / blob_name
         blob.write_bytes(data)
         (snapshot / name).symlink_to(os.path.relpath(blob, snapshot))
     if ref is not None:
         (root / "refs").mkdir(exist_ok=True)
         (root / "refs" / ref).write_text(commit)
     return snapshot
+
+
+@pytest.fixture(autouse=True)
+def digests(tmp_path, monkeypatch):
+    """A digest cache of the test's own (never the user's ~/.cache)."""
+    monkeypatch.setenv("SGLANG_KVBM_DIGEST_CACHE", str(tmp_path / "digests.json"))
+    return DigestCache(tmp_path / "digests.json")
 
 
 @pytest.fixture
@@ -50,17 +66,42 @@ def hub(tmp_path, monkeypatch):
     return cache
 
 
-def fingerprint(model="org/name", **kwargs):
-    return server_fingerprint(model, LAYOUT, Pool(), **kwargs)
+def fingerprint(model="org/name", revision=None, download_dir=None, **kwargs):
+    return server_fingerprint(model_identity(model, revision, download_dir), LAYOUT, Pool(), **kwargs)
 
 
-def test_hub_id_is_resolved_to_its_cached_snapshot(hub):
+def write_model(directory: Path, weights: bytes = b"w" * 10) -> Path:
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_bytes(CONFIG)
+    (directory / "model.safetensors").write_bytes(weights)
+    return directory
+
+
+def test_hub_snapshot_is_named_by_its_content_without_reading_large_blobs(hub, digests):
     add_revision(hub, "org/name", REV1, b"weights one")
     digest, description = fingerprint()
-    assert description["model"]["snapshot"] == REV1
-    assert [f[0] for f in description["model"]["files"]] == ["config.json", "model.safetensors"]
-    assert description["model"]["files"][1][1] == len(b"weights one")  # the blob's size, not the symlink's
+    content = dict(description["model"]["content"])
+    assert content == {"config.json": hashlib.sha256(CONFIG).hexdigest(),
+                       "model.safetensors": hashlib.sha256(b"weights one").hexdigest()}
+    assert "snapshot" in description["model"]["note"] and REV1 in description["model"]["note"]
     assert digest == fingerprint()[0]
+
+
+def test_a_local_copy_of_a_hub_snapshot_is_the_same_model(hub, tmp_path):
+    """Two hosts, one downloaded through the hub, one copied the files elsewhere: the same identity."""
+    add_revision(hub, "org/name", REV1, b"weights one")
+    copy = write_model(tmp_path / "elsewhere" / "my-model", b"weights one")
+    assert fingerprint(str(copy))[0] == fingerprint("org/name")[0]
+
+
+def test_same_bytes_at_another_path_with_other_mtimes_are_the_same_model(tmp_path):
+    a = write_model(tmp_path / "host-a" / "model")
+    b = tmp_path / "host-b" / "models" / "copy"
+    shutil.copytree(a, b)  # copytree keeps mtimes: set others, as a second download would
+    for f in b.iterdir():
+        os.utime(f, ns=(1_000_000_000, 1_000_000_000))
+    assert fingerprint(str(a))[0] == fingerprint(str(b))[0]
+    assert fingerprint(str(a))[1]["model"]["content"] == fingerprint(str(b))[1]["model"]["content"]
 
 
 def test_new_revision_under_the_same_hub_id_is_another_identity(hub):
@@ -69,31 +110,39 @@ def test_new_revision_under_the_same_hub_id_is_another_identity(hub):
     add_revision(hub, "org/name", REV2, b"weights two!")  # refs/main now names REV2
     after, description = fingerprint()
     assert after != before
-    assert description["model"]["snapshot"] == REV2
-    # Pinning the old revision names the old identity again.
-    assert fingerprint(revision=REV1)[0] == before
+    assert REV2 in description["model"]["note"]
+    assert fingerprint(revision=REV1)[0] == before  # pinning the old revision names the old identity again
 
 
 def test_branch_revision_is_followed_through_refs(hub):
     add_revision(hub, "org/name", REV1, b"weights one")
     add_revision(hub, "org/name", REV2, b"weights two!", ref="v2")
-    assert fingerprint(revision="v2")[1]["model"]["snapshot"] == REV2
-    assert fingerprint()[1]["model"]["snapshot"] == REV1
+    assert fingerprint(revision="v2")[0] != fingerprint()[0]
+    assert fingerprint(revision=REV2)[0] == fingerprint(revision="v2")[0]
 
 
 def test_download_dir_is_searched_first(hub, tmp_path):
     other = tmp_path / "downloads"
     add_revision(hub, "org/name", REV1, b"weights one")
     add_revision(other, "org/name", REV2, b"weights two!")
-    assert fingerprint(download_dir=str(other))[1]["model"]["snapshot"] == REV2
+    assert REV2 in fingerprint(download_dir=str(other))[1]["model"]["note"]
 
 
 def test_hub_id_not_in_the_cache_falls_back_to_id_and_revision(hub):
     digest, description = fingerprint("org/absent", revision="v1")
-    assert description["model"]["snapshot"] is None and description["model"]["files"] == []
+    assert "content" not in description["model"]
     assert "not in the local Hugging Face cache" in description["model"]["note"]
     assert digest != fingerprint("org/absent", revision="v2")[0]
     assert digest != fingerprint("org/other", revision="v1")[0]
+
+
+def test_named_identity_reads_nothing_and_names_the_weights(tmp_path, digests):
+    model = write_model(tmp_path / "model")
+    named = server_fingerprint(model_identity(str(model), named="m@v1", cache=digests), LAYOUT, Pool())
+    assert digests.read_bytes == 0
+    assert named[1]["model"]["named"] == "m@v1"
+    assert named[0] != fingerprint(str(model))[0]
+    assert named[0] != server_fingerprint(model_identity(str(model), named="m@v2"), LAYOUT, Pool())[0]
 
 
 @pytest.mark.parametrize(
@@ -135,37 +184,78 @@ def test_bad_rank_is_refused_naming_it(hub):
 
 
 def test_local_directory_weights_replaced_in_place(tmp_path):
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    (model / "model.safetensors").write_bytes(b"a" * 10)
+    model = write_model(tmp_path / "model")
     (model / "README.md").write_text("not part of the identity")
     before, description = fingerprint(str(model))
-    assert description["model"]["path"] == str(model)
-    assert [f[0] for f in description["model"]["files"]] == ["config.json", "model.safetensors"]
+    assert str(model) in description["model"]["note"]  # readable, not hashed
+    assert [f[0] for f in description["model"]["content"]] == ["config.json", "model.safetensors"]
     (model / "README.md").write_text("edited")
     assert fingerprint(str(model))[0] == before
-    (model / "model.safetensors").write_bytes(b"b" * 11)
+    (model / "model.safetensors").write_bytes(b"b" * 10)  # same size
     assert fingerprint(str(model))[0] != before
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "tokenizer.model", "merges.txt",
+                                  "modeling_custom.py", "quant_config.json", "model-00002-of-00002.safetensors"])
+def test_every_file_the_model_is_built_from_is_in_it(tmp_path, name):
+    model = write_model(tmp_path / "model")
+    before, _ = fingerprint(str(model))
+    (model / name).write_bytes(b"one")
+    added, _ = fingerprint(str(model))
+    (model / name).write_bytes(b"two")
+    assert len({before, added, fingerprint(str(model))[0]}) == 3
+
+
+def test_touching_or_moving_files_is_the_same_model_and_is_not_read_again(tmp_path, digests):
+    model = write_model(tmp_path / "model", b"x" * 4096)
+    before = server_fingerprint(model_identity(str(model), cache=digests), LAYOUT, Pool())[0]
+    first_read = digests.read_bytes
+    assert first_read == len(CONFIG) + 4096
+    again = DigestCache(digests.path)
+    assert server_fingerprint(model_identity(str(model), cache=again), LAYOUT, Pool())[0] == before
+    assert again.read_bytes == 0  # a restart reads nothing
+    os.utime(model / "model.safetensors", ns=(5, 5))
+    moved = model.rename(tmp_path / "moved")
+    assert fingerprint(str(moved))[0] == before
+
+
+def test_bytes_rewritten_under_a_restored_mtime_are_read_again(tmp_path, digests):
+    """The cache key holds the ctime, which no ``touch`` can set back."""
+    model = write_model(tmp_path / "model")
+    before = server_fingerprint(model_identity(str(model), cache=digests), LAYOUT, Pool())[0]
+    weights = model / "model.safetensors"
+    stat = weights.stat()
+    weights.write_bytes(b"v" * 10)
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert fingerprint(str(model))[0] != before
+
+
+def test_a_damaged_digest_cache_is_started_anew(tmp_path, digests):
+    model = write_model(tmp_path / "model")
+    before = fingerprint(str(model))[0]
+    digests.path.write_text('{"1:2:3:4:5": "not a digest"')
+    assert fingerprint(str(model))[0] == before
 
 
 def test_single_gguf_file(tmp_path):
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"g" * 5)
     before, description = fingerprint(str(gguf))
-    assert description["model"]["files"][0][:2] == ["model.gguf", 5]
-    gguf.write_bytes(b"g" * 6)
+    assert description["model"]["content"] == [["", hashlib.sha256(b"g" * 5).hexdigest()]]
+    gguf.write_bytes(b"h" * 5)
     assert fingerprint(str(gguf))[0] != before
+    assert fingerprint(str(gguf.rename(tmp_path / "renamed.gguf")))[0] != before
 
 
 def test_layout_and_pool_dtype_are_part_of_the_identity(hub):
     add_revision(hub, "org/name", REV1, b"weights one")
     base, _ = fingerprint()
+    model = model_identity("org/name")
     other_page = types.SimpleNamespace(page_size=8, buffer_page_bytes=[2048, 2048])
-    assert server_fingerprint("org/name", other_page, Pool())[0] != base
+    assert server_fingerprint(model, other_page, Pool())[0] != base
     fp8 = Pool()
     fp8.dtype = "torch.float8_e4m3fn"
-    assert server_fingerprint("org/name", LAYOUT, fp8)[0] != base
+    assert server_fingerprint(model, LAYOUT, fp8)[0] != base
 
 
 def test_snapshot_with_only_the_weight_format_sglang_fetched(hub):
@@ -178,64 +268,4 @@ def test_snapshot_with_only_the_weight_format_sglang_fetched(hub):
     listing = {name: tree_cache.TreeCacheEntry(size=1, blob_id="0" * 40)
                for name in ("config.json", "model.safetensors", "pytorch_model.bin")}
     tree_cache.write_tree_cache(str(hub / "models--org--name"), REV1, listing)
-    assert fingerprint()[1]["model"]["snapshot"] == REV1
-
-
-# -- what a server's arguments add to the identity (ranks.setup_of) ---------------------------
-
-
-def started_with(model: Path, **server_args):
-    """The identity a linker of a server started with these arguments computes (as the scheduler's does)."""
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.server_args import ServerArgs
-
-    from sglang_kvbm.config import KvbmConfig
-    from sglang_kvbm.integration.sglang.ranks import setup_of
-
-    params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=None, page_size=4)
-    identity = setup_of(ServerArgs(model_path=str(model), **server_args), params,
-                        {"config": KvbmConfig(cpu_cache_blocks=8)}).identity
-    return server_fingerprint(identity.model_path, LAYOUT, Pool(), revision=identity.revision,
-                              settings=identity.settings, ranks=identity.ranks, download_dir=identity.download_dir)
-
-
-@pytest.fixture
-def local_model(tmp_path) -> Path:
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text('{"model_type": "gpt2"}')
-    (model / "model.safetensors").write_bytes(b"w" * 10)
-    return model
-
-
-def test_default_arguments_keep_the_identity_earlier_releases_computed(local_model):
-    """A server started as before (load format auto, no overrides) finds the disk tier it left."""
-    ranks = {"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "attn_cp_rank": 0, "dp_rank": 0}
-    before = fingerprint(str(local_model), settings={"quantization": None, "kv_cache_dtype": "auto"}, ranks=ranks)[0]
-    assert started_with(local_model)[0] == before
-    assert started_with(local_model, json_model_override_args="{}")[0] == before
-
-
-def test_dummy_weights_never_share_disk_blocks(local_model):
-    """Random weights under the real files' name: never the real weights' blocks, nor an earlier start's."""
-    real, _ = started_with(local_model)
-    first, description = started_with(local_model, load_format="dummy")
-    second, _ = started_with(local_model, load_format="dummy")
-    assert first != real and second != real
-    assert first != second  # each start draws its weights again
-    assert description["settings"]["load_format"] == "dummy"
-
-
-def test_load_format_reading_other_files_is_another_identity(local_model):
-    assert started_with(local_model, load_format="pt")[0] != started_with(local_model)[0]
-    assert started_with(local_model, load_format="pt")[0] == started_with(local_model, load_format="pt")[0]
-
-
-def test_model_override_args_are_part_of_the_identity(local_model):
-    """``--json-model-override-args`` (rope scaling and the like) changes the K/V bytes; key order does not."""
-    plain, _ = started_with(local_model)
-    rope = started_with(local_model, json_model_override_args='{"rope_scaling": {"type": "linear", "factor": 2.0}}')
-    same = started_with(local_model, json_model_override_args='{"rope_scaling": {"factor": 2.0, "type": "linear"}}')
-    assert rope[0] != plain
-    assert rope[0] == same[0]
-    assert "rope_scaling" in rope[1]["settings"]["json_model_override_args"]
+    assert REV1 in fingerprint()[1]["model"]["note"]

@@ -32,6 +32,8 @@ from sglang_kvbm.config import ConfigError
 from sglang_kvbm.testing.server import free_port
 from test_disk_tier import disk_removed, event_hash, header_offset, load_exact, on_disk_only, segment_path
 
+pytestmark = pytest.mark.usefixtures("loads_wait_for_their_reads")  # what a load serves, not how long it waits
+
 # -- private files, refused shared directories ----------------------------------------------------
 
 

@@ -2,7 +2,9 @@
 
 A real ``mooncake_master`` and a standalone memory lender on 127.0.0.1
 (``sglang_kvbm.testing.mooncake``), CPU SGLang servers with
-``--radix-cache-backend kvbm`` and ``SGLANG_KVBM_MOONCAKE_MASTER``. B never saw
+``--radix-cache-backend kvbm`` and ``SGLANG_KVBM_MOONCAKE_MASTER``. B stands for
+a second host: it serves its own copy of the model (same bytes, another path,
+other mtimes, no --served-model-name) and has its own disk directory. B never saw
 the prompt: its hit can only come from what A wrote through; again after A
 stopped and B restarted (the objects live in the lender's memory, not A's).
 Then the master is killed: the server goes on serving (misses, stock's
@@ -11,6 +13,8 @@ outputs), no request fails.
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 
 import pytest
@@ -23,12 +27,25 @@ from sglang_kvbm.testing.server import SglangServer, free_port
 pytestmark = pytest.mark.server
 
 
+def host_copy(model_dir, tmp_path):
+    """The model as a second host holds it: the same bytes at another path, written at another time."""
+    copy = tmp_path / "host-b" / "weights"
+    shutil.copytree(model_dir, copy)
+    for path in copy.rglob("*"):
+        os.utime(path, ns=(1_600_000_000_000_000_000, 1_600_000_000_000_000_000))
+    return copy
+
+
 class Worker:
     def __init__(self, name, model_dir, cluster, tmp_path):
         self.http = free_port()
+        disk = tmp_path / f"disk-{name}"
+        disk.mkdir()
         self.server = SglangServer(
             model_dir, page_size=4, max_total_tokens=1024, extra_args=["--radix-cache-backend", "kvbm"],
             env={"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": "512", "DYN_KVBM_METRICS": "true",
+                 "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": "256", "DYN_KVBM_DISK_CACHE_DIR": str(disk),
+                 "SGLANG_KVBM_DIGEST_CACHE": str(tmp_path / f"digests-{name}.json"),
                  "DYN_KVBM_METRICS_PORT": str(self.http), "SGLANG_KVBM_MOONCAKE_MASTER": cluster.master_address,
                  "SGLANG_KVBM_MOONCAKE_METADATA": cluster.metadata_url, "MC_TCP_BIND_ADDRESS": "127.0.0.1"},
             log_path=tmp_path / f"{name}.log",
@@ -54,7 +71,8 @@ def test_a_prefix_computed_on_one_server_is_a_g4_hit_on_another(model_dir, stock
     prompts = e2e_prompts()
     pages = len(prompts["A"]) // 4
     with MooncakeCluster(tmp_path) as cluster:
-        a, b = Worker("a", model_dir, cluster, tmp_path), Worker("b", model_dir, cluster, tmp_path)
+        b_model = host_copy(model_dir, tmp_path)
+        a, b = Worker("a", model_dir, cluster, tmp_path), Worker("b", b_model, cluster, tmp_path)
         with a.server, b.server:  # A still running
             assert same_output(a.server.generate(prompts["A"], max_new_tokens=8), stock_results["A"])
             written = a.wait_for(lambda s: s["g4"]["write_through"] >= pages)["g4"]
@@ -63,7 +81,7 @@ def test_a_prefix_computed_on_one_server_is_a_g4_hit_on_another(model_dir, stock
             assert b.tiers(prompts["A"]) == {"device": 0, "host": 0, "disk": 0, "g4": pages * 4}
             assert_g4_hit(b, prompts["A"], pages, stock_results["A2"])
         # A stopped, B restarted (a new process, nothing in its own tiers): the lender kept A's objects
-        b = Worker("b2", model_dir, cluster, tmp_path)
+        b = Worker("b2", b_model, cluster, tmp_path)
         with b.server:
             assert_g4_hit(b, prompts["A"], pages, stock_results["A2"])
             cluster.kill_master()

@@ -34,6 +34,8 @@ from conftest import build_stack
 from sglang_kvbm.testing.server import free_port
 from test_disk_tier import event_hash, load_exact, on_disk_only
 
+pytestmark = pytest.mark.usefixtures("loads_wait_for_their_reads")  # what a load serves, not how long it waits
+
 NO_DRIVER = "Found no NVIDIA driver"  # release_memory_occupation ends with a CUDA synchronize
 
 

@@ -24,8 +24,10 @@ from sglang_kvbm.config_values import (  # ConfigError: everyone imports it from
     _block_size,
     _bool,
     _directory,
+    _file_path,
     _gib_or_zero,
     _host,
+    _identity_name,
     _metadata_url,
     _port,
     _positive_float,
@@ -115,6 +117,11 @@ _VARS: tuple[_Var, ...] = (
          "memory this worker lends the store (default 0: a standalone store process lends it)"),
     _Var("SGLANG_KVBM_MOONCAKE_OFFLOAD_FILTER", "mooncake_offload_filter", _bool,
          "write a block to G4 only once it was reused (KVBM's frequency filter), not every stored block"),
+    _Var("SGLANG_KVBM_MODEL_IDENTITY", "model_identity", _identity_name,
+         "names the model's weights (a version you vouch for) instead of their content digest, read at first start",
+         text=True),
+    _Var("SGLANG_KVBM_DIGEST_CACHE", "digest_cache", _file_path,
+         "file caching the model files' content digests (default ~/.cache/sglang-kvbm/digests.json)", text=True),
 )
 _BY_ENV = {v.env: v for v in _VARS}
 
@@ -191,6 +198,8 @@ class KvbmConfig:
     mooncake_protocol: str = "tcp"
     mooncake_segment_gb: float = 0.0
     mooncake_offload_filter: bool = False
+    model_identity: Optional[str] = None
+    digest_cache: Optional[str] = None
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "KvbmConfig":

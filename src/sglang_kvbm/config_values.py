@@ -154,3 +154,25 @@ def _gib_or_zero(name: str, raw: str) -> float:
     except ValueError:
         pass
     return _positive_float(name, raw)
+
+
+_IDENTITY_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:@/+-")
+
+
+def _identity_name(name: str, raw: str) -> str:
+    """A name an operator gives a model's weights instead of their digest (a version they vouch for)."""
+    bad = sorted(set(raw) - _IDENTITY_CHARS)
+    if not raw or len(raw) > 128 or bad:
+        why = "is empty" if not raw else ("is longer than 128 characters" if len(raw) > 128
+                                          else f"contains {''.join(bad)!r}")
+        raise ConfigError(
+            f"{name}={raw!r} {why}: set it to a name for the exact weights this server loads (letters, digits and "
+            f"._:@/+-, at most 128), e.g. {_eg(name, 'llama-3.1-8b-instruct@2024-07-23')}, and change it whenever the "
+            f"weights change; or {_unset(name)} to name them by their content")
+    return raw
+
+
+def _file_path(name: str, raw: str) -> str:
+    if "\x00" in raw or not raw:
+        raise ConfigError(f"{name}={raw!r} is not a file path: set it to one, or {_unset(name)} for the default")
+    return os.path.abspath(os.path.expanduser(raw))

@@ -23,10 +23,11 @@ from sglang_kvbm.backends.local.disk.store import DiskStore
 from sglang_kvbm.backends.local.manager import LocalBlockManager
 from sglang_kvbm.backends.local.sidecars import SidecarStores
 from sglang_kvbm.config import GIB, ConfigError, KvbmConfig
+from sglang_kvbm.core.content_digest import DigestCache
 from sglang_kvbm.core.offload_filter import FrequencyFilter
 from sglang_kvbm.core.onboard_policy import OnboardPolicy
 from sglang_kvbm.integration.sglang import l3_layout
-from sglang_kvbm.integration.sglang.fingerprint import server_fingerprint
+from sglang_kvbm.integration.sglang.fingerprint import model_identity, server_fingerprint
 from sglang_kvbm.integration.sglang.pool_group import PoolGroup, describe_pools
 from sglang_kvbm.kv_layout import PagedKvLayout
 
@@ -88,19 +89,17 @@ def build_tiers(
             "Raise DYN_KVBM_CPU_CACHE_GB to at least %.3g.",
             host_blocks, device_pages, device_pages * row_bytes / GIB,
         )
-    settings = dict(identity.settings)
-    if group.sidecars or group.shape["drafts"]:  # a dense model's identity stays what it was
-        settings["pool_group"] = group.shape_id()
+    settings = {**identity.settings, "pool_group": group.shape_id()}  # every pool's shape and dtypes
     pools = [("kv", layout)] + [(s.name, s.layout) for s in group.sidecars]
     disks: list = [None] * len(pools)
     disk_blocks, policy = 0, None
     if config.has_disk:
         slot_bytes = [DiskStore.header_bytes_for(each.page_size) + each.block_bytes for each in layouts]
         disk_blocks = config.disk_blocks(round(sum(n * share for n, share in zip(slot_bytes, shares))))
+        model = model_of(identity, config)
         identities = [server_fingerprint(
-            identity.model_path, pool_layout, kvcache, revision=identity.revision,
-            settings=settings if name == "kv" else {**settings, "stored_pool": name},
-            ranks=identity.ranks, download_dir=identity.download_dir,
+            model, pool_layout, kvcache, settings=settings if name == "kv" else {**settings, "stored_pool": name},
+            ranks=identity.ranks,
         ) for name, pool_layout in pools]
         found = probe(
             config.disk_cache_dir, sum(_blocks(disk_blocks, share) * n for n, share in zip(slot_bytes, shares)),
@@ -115,7 +114,7 @@ def build_tiers(
                                  siblings=tuple(f for f, _ in identities if f != fingerprint))
         policy = OnboardPolicy(bytes_per_token=disks[0].slot_bytes / layout.page_size)
         policy.read.record(4 << 20, (4 << 20) / found.read_bytes_per_s)  # seeded by the probe, refined by real reads
-    g4 = _g4(config, identity, group, layout, kvcache) if config.has_g4 else None
+    g4 = _g4(config, identity, group, layout, kvcache, model_of(identity, config)) if config.has_g4 else None
     managers = []
     for (name, pool_layout), disk, share in zip(pools, disks, shares):
         kv = name == "kv"  # the tests' gated threads and the metrics observe the KV pool's copies
@@ -167,7 +166,7 @@ def warn_small_pages(page_size: int, block_bytes: int) -> None:
         page_size, "token" if page_size == 1 else f"{page_size} tokens", measured, header, block_bytes)
 
 
-def _g4(config: KvbmConfig, identity: Identity, group: PoolGroup, layout: PagedKvLayout, kvcache):
+def _g4(config: KvbmConfig, identity: Identity, group: PoolGroup, layout: PagedKvLayout, kvcache, model: dict):
     """The shared tier's client (it connects on the G4 thread, retrying while the master does not answer)."""
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
@@ -181,13 +180,15 @@ def _g4(config: KvbmConfig, identity: Identity, group: PoolGroup, layout: PagedK
                        "sliding-window/Mamba state is not shared yet, so G4 is off for it")
         return None
     ranks = identity.ranks
-    # One tag for every rank of the worker (the router is told one): the rank is in each name's suffix instead.
-    shared = {**ranks, "tp_rank": 0, "dp_rank": 0, "attn_cp_rank": 0}
-    fingerprint, _ = server_fingerprint(identity.model_path, layout, kvcache, revision=identity.revision,
-                                        settings=identity.settings, ranks=shared, download_dir=identity.download_dir)
+    # One tag for every rank and pipeline stage of the worker (the router is told one): the tp and pp ranks are in
+    # each name's suffix instead.
+    shared = {**ranks, "tp_rank": 0, "pp_rank": 0, "dp_rank": 0, "attn_cp_rank": 0}
+    fingerprint, _ = server_fingerprint(model, layout, kvcache, settings=identity.settings, ranks=shared)
     settings = G4Settings(config.mooncake_master, config.mooncake_metadata, config.mooncake_protocol,
                           int(config.mooncake_segment_gb * GIB), hostname=_advertised_host(config.mooncake_master))
-    name = identity.served_model_name or os.path.basename(identity.model_path.rstrip("/"))
+    # --served-model-name names the objects (as HiCache's L3 pages); without one, the tag alone: it names the model by
+    # content, where a path or directory name would part two hosts holding the same model
+    name = identity.served_model_name
     mla = isinstance(kvcache, MLATokenToKVPool)
     suffix = object_suffix(int(ranks.get("tp_rank", 0)), mla=mla,
                            pp_rank=int(ranks.get("pp_rank", 0)), pp_size=int(ranks.get("pp_size", 1)))
@@ -197,6 +198,28 @@ def _g4(config: KvbmConfig, identity: Identity, group: PoolGroup, layout: PagedK
         l3_layout.advertise(l3_layout.layout(g4, page_size=layout.page_size, tp_size=int(ranks.get("tp_size", 1)),
                                              pp_size=int(ranks.get("pp_size", 1)), mla=mla))
     return g4
+
+
+_models: dict = {}
+
+
+def model_of(identity: Identity, config: KvbmConfig) -> dict:
+    """The model's identity by content (``fingerprint.model_identity``), once per process; its cost in the log."""
+    key = (identity.model_path, identity.revision, identity.download_dir, config.model_identity, config.digest_cache)
+    if key not in _models:
+        cache = DigestCache(config.digest_cache)
+        model = model_identity(identity.model_path, identity.revision, identity.download_dir, cache=cache,
+                               named=config.model_identity)
+        files = len(model.get("content") or ())
+        if cache.read_bytes:
+            logger.info("kvbm: model identity: read %d files (%.2f GiB) for their SHA-256 in %.1f s (%.2f GiB/s); "
+                        "cached in %s, a restart reads nothing (SGLANG_KVBM_MODEL_IDENTITY names the weights "
+                        "instead)", files, cache.read_bytes / GIB, cache.read_seconds,
+                        cache.read_bytes / GIB / max(cache.read_seconds, 1e-9), cache.path)
+        else:
+            logger.info("kvbm: model identity: %s", model.get("note") or f"{files} files, digests cached")
+        _models[key] = model
+    return _models[key]
 
 
 def _advertised_host(master: str) -> str:

@@ -1,33 +1,28 @@
-"""The identity under which disk blocks may be reused: same model, same KV bytes, same rank.
+"""The identity under which stored blocks may be reused: the same KV bytes, wherever they were computed.
 
-A disk block outlives the server that wrote it. After a restart it is read back
-only when everything its bytes depend on is unchanged: the model's weights, every
-setting that changes what the KV pool holds (quantization, KV-cache dtype, page
-size and shape), and the rank whose shard of heads or layers it holds. A block
-of another identity lives in another directory and is never read.
+A block outlives the server that wrote it (disk), and other hosts read it
+(the shared tier): it is read back only by a server whose KV bytes for the same
+tokens are the same. That is decided by content, never by location:
 
-The model is identified by what SGLang actually loaded:
+* **the model** by the SHA-256 of every file that decides what it computes
+  (weights, every ``*.json`` config, tokenizer files, custom modeling code):
+  two hosts holding the same bytes at other paths, downloaded at other times,
+  get the same identity; any changed byte gives another. A Hugging Face hub id
+  is resolved offline to the snapshot SGLang loaded (``--download-dir`` first,
+  then ``$HF_HUB_CACHE``, ``$HF_HOME/hub`` or ``~/.cache/huggingface/hub``), whose
+  large files are already named by their SHA-256 (``blobs/``), so a local copy of
+  a snapshot and the snapshot itself are the same model. Local files are read
+  once and their digests cached (``core.content_digest``). A hub id absent from
+  that cache is identified by id and revision only, and the description says so.
+  ``SGLANG_KVBM_MODEL_IDENTITY`` names the model instead, for operators who
+  version their weights (nothing is read; they vouch for it);
+* **every server argument that changes KV bytes**, by the table in
+  ``server_args_table`` (files an argument names, by content: ``server_identity``);
+* **each pool's shape and dtypes** and the rank's shard.
 
-* a local directory (or a single GGUF file) by its absolute path and the name,
-  size and mtime of its config and weight files, so weights replaced in place
-  are another model;
-* a Hugging Face hub id by the snapshot SGLang loaded from the local hub cache
-  (``--download-dir`` first, then ``$HF_HUB_CACHE``, ``$HF_HOME/hub`` or
-  ``~/.cache/huggingface/hub``; ``refs/<revision or main>`` names the commit):
-  the commit and the snapshot's files, stat'ed through their symlinks into
-  ``blobs/``. The cache is read offline only, never the network: the cache is
-  built after SGLang has downloaded the weights it serves, so the snapshot on
-  disk is the one loaded. A new revision under the same id is a new identity.
-* a hub id absent from that cache (another loader, e.g. ModelScope) by the id
-  and revision only: weights changed under the same id and revision are then
-  not detected, and the description says so.
-
-Weights that are not those files get no lasting identity (:func:`weight_settings`):
-``--load-format dummy`` (random weights under the real files' name) and the
-formats that fetch weights from elsewhere draw a new identity at every start, so
-their blocks are never read by a server with the real weights, nor after a
-restart. Weights replaced in memory while serving (``update_weights_from_*``)
-move the running server to a new identity too (:func:`rekeyed`).
+Weights that are not files get no lasting identity (:func:`weight_settings`).
+Weights replaced in memory while serving move the server to a new identity
+(:func:`rekeyed`).
 """
 
 from __future__ import annotations
@@ -40,11 +35,13 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from sglang_kvbm.backends.local.disk.format import FORMAT_VERSION
+from sglang_kvbm.core.content_digest import DigestCache
 from sglang_kvbm.kv_layout import PagedKvLayout
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-# Config files that change how weights (and, with their KV scales, the KV) are read.
-_CONFIG_NAMES = ("config.json", "quant_config.json", "quantize_config.json", "hf_quant_config.json")
+# Besides weights: configs (model, quantization, generation), tokenizer files and remote code.
+_KV_SUFFIXES = _WEIGHT_SUFFIXES + (".json", ".py", ".model", ".tiktoken")
+_KV_NAMES = ("vocab.txt", "merges.txt")
 _DEFAULT_RANKS = {"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "dp_rank": 0}
 # Load formats whose weights are the model path's own files (the identity above names them).
 _FILE_FORMATS = frozenset((
@@ -52,29 +49,29 @@ _FILE_FORMATS = frozenset((
     "expert_pack", "bitsandbytes", "mistral", "layered", "flash_rl", "fastsafetensors",
 ))
 _NOTE = "note"  # readable only: left out of the digest, so rewording it never orphans a disk tier
+NAMED_ENV = "SGLANG_KVBM_MODEL_IDENTITY"
+SERVER_DRAW_ENV = "_SGLANG_KVBM_SERVER_DRAW"  # internal: not a setting (those are checked by name)
 
 
 def server_fingerprint(
-    model_path: str,
+    model: Mapping[str, Any],
     layout: PagedKvLayout,
     kvcache: Any,
     *,
-    revision: Optional[str] = None,
     settings: Optional[Mapping[str, Any]] = None,
     ranks: Optional[Mapping[str, int]] = None,
-    download_dir: Optional[str] = None,
 ) -> tuple[bytes, dict]:
     """16 bytes naming what a block's bytes depend on, and the readable description behind them.
 
-    ``settings`` carries every server setting that changes KV bytes, e.g.
-    ``{"quantization": "fp8", "kv_cache_dtype": "auto"}`` (a None value counts
-    as unset); ``ranks`` this worker's place, e.g. ``{"tp_rank": 0, "tp_size":
-    2, "pp_rank": 0, "pp_size": 1, "dp_rank": 0}`` (missing ones default to a
-    single rank); ``download_dir`` is SGLang's ``--download-dir``.
+    ``model`` is :func:`model_identity`'s; ``settings`` every server setting that
+    changes KV bytes, e.g. ``{"quantization": "fp8", "kv_cache_dtype": "auto"}`` (a
+    None value counts as unset); ``ranks`` this worker's place, e.g. ``{"tp_rank":
+    0, "tp_size": 2, "pp_rank": 0, "pp_size": 1, "dp_rank": 0}`` (missing ones
+    default to a single rank).
     """
     description = {
         "format": FORMAT_VERSION,
-        "model": _model(model_path, revision, download_dir),
+        "model": dict(model),
         "settings": {str(k): str(v) for k, v in sorted((settings or {}).items()) if v is not None},
         "ranks": _ranks(ranks or {}),
         "pool": type(kvcache).__name__,
@@ -91,38 +88,39 @@ def _digest(description: dict) -> bytes:
     return hashlib.sha256(json.dumps(hashed, sort_keys=True).encode()).digest()[:16]
 
 
-def _model(model_path: str, revision: Optional[str], download_dir: Optional[str]) -> dict:
-    """What was loaded. ``--revision`` counts only where nothing more precise is known: SGLang ignores it
-    for a local path, and a resolved snapshot's commit says more than the branch that led to it."""
+def model_identity(model_path: str, revision: Optional[str] = None, download_dir: Optional[str] = None, *,
+                   cache: Optional[DigestCache] = None, named: Optional[str] = None) -> dict:
+    """What was loaded, by content. ``--revision`` counts only where nothing more precise is known: SGLang ignores
+    it for a local path, and a snapshot's content says more than the branch that led to it."""
+    if named:  # SGLANG_KVBM_MODEL_IDENTITY (KvbmConfig.model_identity, validated there)
+        return {"named": named, _NOTE: f"named by {NAMED_ENV}: nothing read, the operator vouches for the weights"}
+    cache = cache or DigestCache()
     path = Path(model_path) if model_path else None
     if path is not None and path.is_dir():
-        return {"path": os.path.abspath(model_path), "snapshot": None, "files": _files(path), _NOTE: "local directory"}
+        return {"content": _content(_kv_files(path), cache), _NOTE: f"local directory {os.path.abspath(path)}"}
     if path is not None and path.is_file():
-        return {"path": os.path.abspath(model_path), "snapshot": None, "files": [_stat(path)], _NOTE: "local file"}
+        return {"content": _content([path], cache, names=False), _NOTE: f"local file {os.path.abspath(path)}"}
     snapshot = _hub_snapshot(model_path, revision, download_dir)
     if snapshot is None:
-        return {"id": model_path, "revision": revision, "snapshot": None, "files": [],
+        return {"id": model_path, "revision": revision,
                 _NOTE: f"{model_path!r} is not in the local Hugging Face cache ({', '.join(_hub_caches(download_dir))}): "
                 "identified by id and revision only, so new weights under the same revision are not detected"}
-    return {"id": model_path, "snapshot": snapshot.name, "files": _files(snapshot),
-            _NOTE: f"revision {revision or 'main'}: snapshot {snapshot} of the local Hugging Face cache"}
+    return {"content": _content(_kv_files(snapshot), cache),
+            _NOTE: f"{model_path} revision {revision or 'main'}: snapshot {snapshot} of the local Hugging Face cache"}
 
 
-def _files(directory: Path) -> list[list]:
-    """``[name, size, mtime_ns]`` of the config and weight files, symlinks followed (hub snapshots link to blobs)."""
-    return [
-        _stat(path)
-        for path in sorted(directory.iterdir())
-        if path.name in _CONFIG_NAMES or path.suffix in _WEIGHT_SUFFIXES
-    ]
+def _kv_files(directory: Path) -> list[Path]:
+    """The top-level files SGLang reads to build the model (weights, configs, tokenizer, code), links followed."""
+    return [path for path in sorted(directory.iterdir())
+            if (path.suffix in _KV_SUFFIXES or path.name in _KV_NAMES) and not path.name.startswith(".")
+            and (path.is_file() or (path.is_symlink() and not path.exists()))]
 
 
-def _stat(path: Path) -> list:
-    try:
-        stat = path.stat()
-    except OSError:  # a dangling link into blobs/: a half-removed download, still part of the identity
-        return [path.name, None, None]
-    return [path.name, stat.st_size, stat.st_mtime_ns]
+def _content(files: list[Path], cache: DigestCache, *, names: bool = True) -> list[list]:
+    """``[name, sha256]`` per file (a dangling link into ``blobs/``, a half-removed download: ``[name, None]``)."""
+    present = [f for f in files if f.exists()]
+    digests = dict(zip(present, cache.digests(present)))
+    return [[f.name if names else "", digests.get(f)] for f in files]
 
 
 def _hub_caches(download_dir: Optional[str]) -> list[str]:
@@ -177,20 +175,19 @@ def _ranks(ranks: Mapping[str, int]) -> dict[str, int]:
     return merged
 
 
-def weight_settings(load_format: Optional[str], json_model_override_args: Optional[str]) -> dict[str, Optional[str]]:
+def weight_settings(load_format: Optional[str], json_model_override_args: Optional[str], *,
+                    device: str = "") -> dict[str, Optional[str]]:
     """The settings that decide which weights and which model config produce the KV, besides the files.
 
-    ``--load-format``: ``auto`` (the default) adds nothing, so identities of
-    servers started before this setting was recorded stay the same; another
-    format that reads the files names itself (``pt`` may read other files than
-    ``safetensors``). Any other format's weights are not the files at all:
-    ``dummy`` draws random weights (SGLang seeds them per parameter, but what the
-    draw yields depends on the device's generator, torch's and SGLang's versions,
-    none of which the identity names), ``remote``/``remote_instance``/... fetch
-    them from elsewhere. Such a server gets a new identity at every start: its
-    disk blocks are never read by another server, nor by itself after a restart
-    (the directory is reclaimed by the next start; the disk tier still serves
-    while the server runs).
+    ``--load-format``: ``auto`` adds nothing; another format that reads the
+    files names itself (``pt`` may read other files than ``safetensors``).
+    ``dummy`` draws random weights from a fixed seed per parameter: the same
+    draw on every rank and at every start of the same SGLang and torch, which
+    :func:`dummy_weights` names. Any other format fetches its weights from
+    elsewhere (``remote``, ``remote_instance``, ...): nothing names them, so a
+    server gets one draw per start, the same on all its ranks (the launcher's
+    draw, inherited through ``_SGLANG_KVBM_SERVER_DRAW``, drawn by ``flags.translate``): its blocks are never
+    read by another server, nor after a restart.
 
     ``--json-model-override-args`` (rope scaling, head counts, ...) changes what
     the model computes from the same files: its JSON, keys sorted; ``{}`` adds
@@ -204,11 +201,32 @@ def weight_settings(load_format: Optional[str], json_model_override_args: Option
             overrides = json.dumps(parsed, sort_keys=True) if parsed else None
         except ValueError:  # SGLang refuses it before any cache is built; name it as given
             pass
-    return {
-        "load_format": None if fmt == "auto" else fmt,
-        "weights_drawn_at_start": None if fmt in _FILE_FORMATS else uuid.uuid4().hex,
-        "json_model_override_args": overrides,
-    }
+    drawn = None
+    if fmt == "dummy":
+        drawn = dummy_weights(device)
+    elif fmt not in _FILE_FORMATS:
+        drawn = server_draw()
+    return {"load_format": None if fmt == "auto" else fmt, "weights_drawn_at_start": drawn,
+            "json_model_override_args": overrides}
+
+
+def dummy_weights(device: str) -> str:
+    """What SGLang's dummy weights depend on besides the model's config: its seeded initializer, and torch's
+    generator on the device the parameters are drawn on."""
+    import torch
+
+    try:
+        from importlib.metadata import version
+
+        sglang = version("sglang")
+    except Exception:  # a source checkout without metadata: name it by its package only
+        sglang = "unknown"
+    return f"dummy weights: sglang {sglang}, torch {torch.__version__}, device {device or 'default'}"
+
+
+def server_draw() -> str:
+    """One random draw per server start, the same in all its processes (they inherit the launcher's environment)."""
+    return os.environ.setdefault(SERVER_DRAW_ENV, uuid.uuid4().hex)
 
 
 def rekeyed(fingerprint: bytes, reason: str) -> bytes:

@@ -40,6 +40,8 @@ def translate(server_args: Any) -> None:
     """Declare the linker flags on ``server_args`` if kvbm was asked for (idempotent)."""
     from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
 
+    from sglang_kvbm.integration.sglang.fingerprint import server_draw
+
     cfg = resolving_view(server_args)
     kvbm_config = getattr(cfg, "kvbm_config", None)
     if not wanted(cfg):
@@ -63,6 +65,7 @@ def translate(server_args: Any) -> None:
     check_installed_sglang()
     config = KvbmConfig.from_sources(json_text=kvbm_config)
     config.require_a_tier()
+    server_draw()  # drawn here, in the launcher: every rank it starts inherits the one draw (see weight_settings)
     events = check_kv_events_config(cfg.kv_events_config, cfg.page_size or 1)  # the page size may be unresolved yet
     warn_if_dynamo_will_not_connect(events)
     if config.has_g4 and "dynamo.sglang" in sys.modules:  # Dynamo's router learns G4's names from the registration

@@ -104,11 +104,12 @@ def describe_pools(params, components=()) -> PoolGroup:
         window = -(-params.swa_retain_window // page)
         swa = _on_layers(pool_buffers(kvcache.swa_kv_pool, page), swa_ids, start, num_layers, page)
         sidecars.append(Sidecar(SWA, swa, window))
-        shape.update(swa_bytes=swa.buffer_page_bytes, swa_window=window)
+        shape.update(swa_bytes=swa.buffer_page_bytes, swa_window=window,
+                     swa_dtypes=_dtypes(pool_buffers(kvcache.swa_kv_pool, page).buffers))
     if ComponentType.MAMBA in components:
-        mamba = _mamba_layout(params, num_layers)
+        mamba, mamba_dtypes = _mamba_layout(params, num_layers)
         sidecars.append(Sidecar(MAMBA, mamba, 1, share=1 / max(1, MAMBA_STATE_TOKENS // page)))
-        shape.update(mamba_bytes=mamba.buffer_page_bytes)
+        shape.update(mamba_bytes=mamba.buffer_page_bytes, mamba_dtypes=mamba_dtypes)
     if sidecars and params.attn_cp_size > 1:
         raise UnsupportedPoolError("--radix-cache-backend kvbm does not store hybrid pools under context parallelism")
     return PoolGroup(kv, tuple(sidecars), num_layers, shape)
@@ -135,11 +136,12 @@ def _kv_layout(full, full_ids, start, num_layers, drafts, page) -> tuple[PagedKv
         buffers += d.buffers
     parts = dataclasses.replace(parts, buffers=tuple(buffers))
     kv = _on_layers(parts, full_ids, start, num_layers, page, extra)
-    shape = {"page": page, "layers": num_layers, "kv_bytes": kv.buffer_page_bytes, "drafts": len(drafts)}
+    shape = {"page": page, "layers": num_layers, "kv_bytes": kv.buffer_page_bytes, "drafts": len(drafts),
+             "kv_dtypes": _dtypes(parts.buffers)}
     return kv, shape
 
 
-def _mamba_layout(params, num_layers: int) -> PagedKvLayout:
+def _mamba_layout(params, num_layers: int) -> tuple[PagedKvLayout, tuple[str, ...]]:
     """Every Mamba layer's conv and temporal state rows, one row per state slot."""
     r2t = params.req_to_token_pool
     if not isinstance(r2t, HybridReqToTokenPool):
@@ -164,4 +166,10 @@ def _mamba_layout(params, num_layers: int) -> PagedKvLayout:
     for global_id, index in sorted(r2t.mamba_map.items()):
         layers[global_id - r2t.start_layer] = tuple(range(len(buffers), len(buffers) + len(states)))
         buffers += [state[index] for state in states]
-    return PagedKvLayout(buffers, 1, 1, layers)
+    # The SSM dtype (--mamba-ssm-dtype) is in the identity: bf16 and fp16 states have one size, not the same bits.
+    return PagedKvLayout(buffers, 1, 1, layers), _dtypes(buffers)
+
+
+def _dtypes(buffers) -> tuple[str, ...]:
+    """Each buffer's element type: what a page's bytes mean (target, draft, scale and state buffers alike)."""
+    return tuple(str(b.dtype) for b in buffers)
