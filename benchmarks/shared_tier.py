@@ -12,7 +12,12 @@ machine, same run:
   and a standalone lender on 127.0.0.1): the prefix the other worker wrote
   through is fetched from G4.
 
-Reports p50 and mean TTFT, hit tokens by kind (``cached_tokens_details``:
+The second worker stands for a second host: it serves its own copy of the model
+(the same bytes at another path, with other mtimes), as hosts that downloaded it
+apart do; the shared tier must still be shared (the identity is the content).
+
+Reports p50 and mean TTFT, the share of a moved turn's prefix served from a tier
+(computed: hit tokens over the tokens the other worker computed), hit tokens by kind (``cached_tokens_details``:
 device, host, storage = G4 here), bytes through Mooncake, and the TTFT of G4
 hits against recomputed (cold) turns of the same length. Targets on CPU: a G4
 hit <= 0.5x recompute at ~1500 tokens; mean TTFT with G4 <= 0.8x per-worker tiers.
@@ -26,6 +31,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -44,11 +51,13 @@ class Run:
     kind: list = dataclasses.field(default_factory=list)
     hits: dict = dataclasses.field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
     g4_bytes: int = 0
+    moved_prefix: int = 0  # tokens of moved turns' prefixes, computed on the other worker
+    moved_hit: int = 0  # of those, served from a tier (or the device) instead of recomputed
 
 
-def servers(model: Path, pool: int, tmp: Path, name: str, env: dict, kvbm: bool) -> list:
+def servers(models: list, pool: int, tmp: Path, name: str, env: dict, kvbm: bool) -> list:
     made = []
-    for i in range(2):
+    for i, model in enumerate(models):
         extra = {}
         if kvbm:
             extra = {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": str(4 * pool // 16), "DYN_KVBM_METRICS": "true",
@@ -73,6 +82,9 @@ def run(name: str, workers: list, args) -> Run:
             got = {k: details.get(k, 0) for k in ("device", "host", "storage")}
             for k, v in got.items():
                 result.hits[k] += v
+            if turn:
+                result.moved_prefix += len(histories[conv])
+                result.moved_hit += min(sum(got.values()), len(histories[conv]))
             result.kind.append("cold" if sum(got.values()) < len(prompt) // 2 else max(got, key=got.get))
             result.ttft.append(ttft)
             histories[conv] = prompt + final.get("output_ids", [])
@@ -99,6 +111,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="shared-tier-") as tmp:
         tmp = Path(tmp)
         model = make_model(tmp / "model", DEMO)
+        copy = tmp / "host-b" / "weights"
+        shutil.copytree(model, copy)
+        for path in copy.iterdir():
+            os.utime(path, ns=(10**18, 10**18))
         for name, kvbm in (("stock", False), ("kvbm-G2", True), ("kvbm-G2+G4", True)):
             with contextlib.ExitStack() as stack:
                 env = {}
@@ -106,14 +122,16 @@ def main() -> int:
                     cluster = stack.enter_context(MooncakeCluster(tmp, lend="1GB"))
                     env = {"SGLANG_KVBM_MOONCAKE_MASTER": cluster.master_address,
                            "SGLANG_KVBM_MOONCAKE_METADATA": cluster.metadata_url}
-                workers = [stack.enter_context(s) for s in servers(model, args.pool, tmp, name, env, kvbm)]
+                workers = [stack.enter_context(s) for s in servers([model, copy], args.pool, tmp, name, env, kvbm)]
                 runs.append(run(name, workers, args))
                 print(f"{name}: done", flush=True)
     stock, g2, g4 = runs
     rows = [[r.name, pct(r.ttft, 0.5), mean(r.ttft), mean(r.ttft) / mean(stock.ttft), r.hits["device"], r.hits["host"],
-             r.hits["storage"], r.g4_bytes / 2**20] for r in runs]
+             r.hits["storage"], r.moved_hit / max(1, r.moved_prefix), r.g4_bytes / 2**20] for r in runs]
     print(table(["run", "p50 TTFT s", "mean TTFT s", "mean vs stock", "device hit tok", "host hit tok",
-                 "G4 hit tok", "via Mooncake MiB"], rows))
+                 "G4 hit tok", "moved prefix hit", "via Mooncake MiB"], rows))
+    share = g4.moved_hit / max(1, g4.moved_prefix)
+    print(f"second host (own model copy) serves {share:.1%} of the moved prefixes from a tier: {verdict(share, 0.9, False)}")
     cold = [t for t, k in zip(stock.ttft, stock.kind) if k == "cold" and t]
     g4_hits = [t for t, k in zip(g4.ttft, g4.kind) if k == "storage"]
     if g4_hits and cold:

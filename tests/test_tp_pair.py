@@ -1,42 +1,21 @@
 """A tensor-parallel pair: per-rank shards and directories, hits intersected across ranks by SGLang's wrapper,
 and ``load()`` answering the same on both ranks when only one of them cannot load.
 
-Two real processes over a gloo group (see tp_pair_worker.py for why not a TP=2 server). SGLang requires
-every rank to take the same branch in ``load()``: a rank that loads while the other recomputes pairs its
-next collective with another kind on the other rank (a crash, or in production a hang).
+Two real processes over a gloo group (see rank_pair.py and tp_pair_worker.py for why not a TP=2 server).
+SGLang requires every rank to take the same branch in ``load()``: a rank that loads while the other
+recomputes pairs its next collective with another kind on the other rank (a crash, or in production a hang).
 """
-
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from sglang_kvbm.testing.server import free_port
+from rank_pair import results
 
-HERE = Path(__file__).resolve().parent
 PAGE = 4
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("tp")
-    port = free_port()
-    procs = [
-        subprocess.Popen([sys.executable, str(HERE / "tp_pair_worker.py"), str(rank), str(port),
-                          str(tmp / f"rank{rank}.json"), str(tmp / "disk")])
-        for rank in (0, 1)
-    ]
-    try:
-        codes = [proc.wait(timeout=300) for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    assert codes == [0, 0], "a rank failed: its collectives did not pair up (see the output above)"
-    return [json.loads((tmp / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    return [found["tp"] for found in results(tmp_path_factory)]
 
 
 def _bytes_ok(result, attempt) -> bool:

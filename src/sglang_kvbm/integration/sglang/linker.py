@@ -10,6 +10,7 @@ SGLang's default tree (``UnifiedRadixCache``) drives it through
   refuses (the request recomputes the span); disk bytes are verified first.
   Every attention rank answers the same (SGLang requires one branch on all
   ranks): a rank's refusal is reduced across them before ``load`` returns.
+  So do pipeline stages, on hits, loads and offloads alike (``ranks.Stages``).
 * ``start_layer_wise_loading`` / ``finish_layer_wise_loading``: the batch's
   copies run on the loader thread one layer at a time while the forward waits
   only for the layer it reads.
@@ -29,7 +30,6 @@ import logging
 import time
 from typing import Optional
 
-import torch
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 from sglang.srt.mem_cache.unified_cache.unified_cache_linker import UnifiedCacheLinker
 
@@ -122,9 +122,11 @@ class KvbmLinker(UnifiedCacheLinker):
     def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
         keys = kv_transfer(transfers).keys or []
         hit = self.connector.lookup(rid, keys)
+        stages, across = self.setup.stages, self.setup.ranks_agreeing > 1
         if self.sidecars:  # hybrid: only boundaries whose window pages / state the sidecar tiers hold too
-            return self.sidecars.restorable(keys, hit, every=self.setup.ranks_agreeing > 1) if hit else []
-        return restorable_lengths(hit, self.setup.ranks_agreeing > 1)
+            lengths = self.sidecars.restorable(keys, hit, every=across or stages.many) if hit else []
+            return stages.common(lengths, len(keys))
+        return restorable_lengths(stages.shortest(hit), across)
 
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
         kv = kv_transfer(transfers)
@@ -142,7 +144,7 @@ class KvbmLinker(UnifiedCacheLinker):
                     self.connector.refuse(plan, "a sliding-window page or Mamba state it needs is not held")
                     plan = None
         finally:  # also when acquire raised: the other ranks are in the reduction already
-            if self.setup.ranks_agreeing > 1 and not self._all_ranks_agree(plan is not None):
+            if not self.setup.all_agree(plan is not None, self.cache):
                 if plan is not None:
                     self.connector.cancel(plan)
                     self.sidecars.release(side or {}, reused=False)
@@ -161,7 +163,7 @@ class KvbmLinker(UnifiedCacheLinker):
 
     def finish_layer_wise_loading(self, counter_index: int) -> bool:
         """After the forward: every layer handed to the device (the current stream now waits for the last)."""
-        return self.loads.finish(counter_index)
+        return self.setup.stages.agree(self.loads.finish(counter_index))  # SGLang reduces over attention ranks only
 
     def cancel_queued_load(self, rid: str) -> bool:
         return self.loads.cancel(rid)
@@ -193,6 +195,8 @@ class KvbmLinker(UnifiedCacheLinker):
         count = self.connector.completed_offloads()
         if self.sidecars:
             count = min(count, self.sidecars.completed())
+        # A node unlocks on every pipeline stage at once, or the stages' trees drift apart.
+        count = self.setup.stages.completed_offloads(count, self._pop_offload, self.connector.pending_offloads())
         if self.metrics is not None:
             now = time.monotonic()
             if now - self._published_at >= PUBLISH_INTERVAL_S:  # the idle scheduler loops without pause
@@ -203,14 +207,11 @@ class KvbmLinker(UnifiedCacheLinker):
         return count
 
     def pop_completed_offload(self) -> bool:
+        return self.setup.stages.pop_offload(self._pop_offload)
+
+    def _pop_offload(self) -> bool:
         ok = self.connector.pop_completed_offload()
         return self.sidecars.pop() and ok if self.sidecars else ok
-
-    def _all_ranks_agree(self, ok: bool) -> bool:
-        """MIN-reduce a rank's yes/no over the attention ranks, through the tree's own reduction (lookup's groups)."""
-        flag = torch.tensor([int(ok)], dtype=torch.int)
-        self.cache._all_reduce_attn_groups(flag, torch.distributed.ReduceOp.MIN)
-        return bool(flag[0])
 
     def quiesce(self, timeout: Optional[float] = None) -> bool:
         """Wait until no copy touches device or tier memory (loads, offloads, disk reads and writes); False on timeout."""
@@ -246,6 +247,7 @@ class KvbmLinker(UnifiedCacheLinker):
         self.loads.drop()
         self.connector.reset()
         self.sidecars.reset()
+        self.setup.stages.forget_offloads()  # the tree drops its pending offloads after this
         self.sink.clear()
 
     def close(self) -> None:
