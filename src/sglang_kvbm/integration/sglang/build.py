@@ -93,10 +93,10 @@ def build_tiers(
     pools = [("kv", layout)] + [(s.name, s.layout) for s in group.sidecars]
     disks: list = [None] * len(pools)
     disk_blocks, policy = 0, None
+    model = model_of(identity, config) if config.has_disk or config.has_g4 else None
     if config.has_disk:
         slot_bytes = [DiskStore.header_bytes_for(each.page_size) + each.block_bytes for each in layouts]
         disk_blocks = config.disk_blocks(round(sum(n * share for n, share in zip(slot_bytes, shares))))
-        model = model_of(identity, config)
         identities = [server_fingerprint(
             model, pool_layout, kvcache, settings=settings if name == "kv" else {**settings, "stored_pool": name},
             ranks=identity.ranks,
@@ -114,7 +114,7 @@ def build_tiers(
                                  siblings=tuple(f for f, _ in identities if f != fingerprint))
         policy = OnboardPolicy(bytes_per_token=disks[0].slot_bytes / layout.page_size)
         policy.read.record(4 << 20, (4 << 20) / found.read_bytes_per_s)  # seeded by the probe, refined by real reads
-    g4 = _g4(config, identity, group, layout, kvcache, model_of(identity, config)) if config.has_g4 else None
+    g4 = _g4(config, identity, group, layout, kvcache, model) if config.has_g4 else None
     managers = []
     for (name, pool_layout), disk, share in zip(pools, disks, shares):
         kv = name == "kv"  # the tests' gated threads and the metrics observe the KV pool's copies
@@ -200,26 +200,20 @@ def _g4(config: KvbmConfig, identity: Identity, group: PoolGroup, layout: PagedK
     return g4
 
 
-_models: dict = {}
-
-
 def model_of(identity: Identity, config: KvbmConfig) -> dict:
-    """The model's identity by content (``fingerprint.model_identity``), once per process; its cost in the log."""
-    key = (identity.model_path, identity.revision, identity.download_dir, config.model_identity, config.digest_cache)
-    if key not in _models:
-        cache = DigestCache(config.digest_cache)
-        model = model_identity(identity.model_path, identity.revision, identity.download_dir, cache=cache,
-                               named=config.model_identity)
-        files = len(model.get("content") or ())
-        if cache.read_bytes:
-            logger.info("kvbm: model identity: read %d files (%.2f GiB) for their SHA-256 in %.1f s (%.2f GiB/s); "
-                        "cached in %s, a restart reads nothing (SGLANG_KVBM_MODEL_IDENTITY names the weights "
-                        "instead)", files, cache.read_bytes / GIB, cache.read_seconds,
-                        cache.read_bytes / GIB / max(cache.read_seconds, 1e-9), cache.path)
-        else:
-            logger.info("kvbm: model identity: %s", model.get("note") or f"{files} files, digests cached")
-        _models[key] = model
-    return _models[key]
+    """The model's identity by content (``fingerprint.model_identity``), with its cost in the log."""
+    cache = DigestCache(config.digest_cache)
+    model = model_identity(identity.model_path, identity.revision, identity.download_dir, cache=cache,
+                           named=config.model_identity)
+    files = len(model.get("content") or ())
+    if cache.read_bytes:
+        logger.info("kvbm: model identity: read %d files (%.2f GiB) for their SHA-256 in %.1f s (%.2f GiB/s); cached "
+                    "in %s, a restart reads nothing (SGLANG_KVBM_MODEL_IDENTITY names the weights instead)", files,
+                    cache.read_bytes / GIB, cache.read_seconds,
+                    cache.read_bytes / GIB / max(cache.read_seconds, 1e-9), cache.path)
+    else:
+        logger.info("kvbm: model identity: %s (%d files, digests known)", model.get("note"), files)
+    return model
 
 
 def _advertised_host(master: str) -> str:
