@@ -218,7 +218,7 @@ def _written_then_closed(root: Path, tokens) -> Path:
 
 
 @pytest.mark.parametrize("crafted", ["pickle", *MSGPACK_BOMBS])
-def test_crafted_disk_index_is_discarded(tmp_path, payload, crafted, caplog):
+def test_crafted_disk_index_is_rebuilt_from_the_blocks(tmp_path, payload, crafted, caplog):
     pickled, marker = payload
     directory = _written_then_closed(tmp_path, list(range(16)))
     body = pickled if crafted == "pickle" else MSGPACK_BOMBS[crafted]
@@ -226,8 +226,9 @@ def test_crafted_disk_index_is_discarded(tmp_path, payload, crafted, caplog):
     with caplog.at_level(logging.WARNING, logger="sglang_kvbm"):
         stack = build_stack(host_blocks=4, disk_blocks=64, disk_dir=tmp_path)
     try:
-        assert "discarded the disk index" in caplog.text
-        assert len(stack.manager.disk) == 0 and stack.manager.disk.accounting()["free"] == 64
+        assert "is damaged (the snapshot index.msgpack is unreadable" in caplog.text
+        assert stack.manager.disk.wait_rebuilt(timeout=60)  # never decoded: rebuilt from the blocks' headers
+        assert len(stack.manager.disk) == 8 and stack.manager.disk.accounting()["free"] == 56
         assert not marker.exists()
         tokens = list(range(300, 316))  # the tier starts and works
         written = on_disk_only(stack, tokens, seed=6)
@@ -237,7 +238,7 @@ def test_crafted_disk_index_is_discarded(tmp_path, payload, crafted, caplog):
 
 
 @pytest.mark.parametrize("crafted", ["pickle", *MSGPACK_BOMBS])
-def test_crafted_journal_record_ends_the_replay(tmp_path, payload, crafted):
+def test_crafted_journal_record_is_damage_and_the_index_is_rebuilt(tmp_path, payload, crafted):
     """A crash image whose journal holds good records, then a crafted one (checksum intact), then more."""
     pickled, marker = payload
     tokens = list(range(400, 416))
@@ -254,7 +255,8 @@ def test_crafted_journal_record_ends_the_replay(tmp_path, payload, crafted):
         f.write(_journal_record(body) + _journal_record(clear))
     stack = build_stack(host_blocks=4, disk_blocks=64, disk_dir=tmp_path / "crashed")
     try:
-        assert len(stack.manager.disk) == 8  # every record before the crafted one, none after it
+        assert stack.manager.disk.wait_rebuilt(timeout=60)  # a bad record with records after it: rebuilt
+        assert len(stack.manager.disk) == 8  # every block whose header verifies; the records after it decide nothing
         assert not marker.exists()
         load_exact(stack, tokens, written)
     finally:

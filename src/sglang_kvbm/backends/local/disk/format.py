@@ -116,7 +116,11 @@ def encode_header(header: BlockHeader, out: torch.Tensor) -> None:
 
 def decode_header(row: torch.Tensor) -> Optional[BlockHeader]:
     """The header in a header row, or None if it is not a whole, intact header."""
-    raw = row.numpy().tobytes()
+    return parse_header(row.numpy().tobytes())
+
+
+def parse_header(raw: bytes) -> Optional[BlockHeader]:
+    """:func:`decode_header` of the row's bytes."""
     magic, length, digest = _PREFIX.unpack_from(raw)
     if magic != MAGIC or length > len(raw) - _PREFIX.size:
         return None

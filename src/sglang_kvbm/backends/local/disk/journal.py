@@ -1,20 +1,29 @@
 """The disk index on disk: a snapshot plus an append-only journal, for warm restarts.
 
 Every change to the slot index since the last snapshot is one journal record
-(length, xxh3, msgpack payload); a torn or corrupt tail is ignored. The
-snapshot is rewritten (fsync, atomic rename) when the journal has grown long
-and old, and at close. Anything unreadable is discarded, never trusted: a
-restored block is verified again when it is read.
+(length, xxh3, msgpack payload). The snapshot is rewritten (fsync, atomic
+rename) when the journal has grown long and old, and at close. Nothing read is
+trusted beyond its checksum and its typed decoding: a restored block is
+verified again when it is read.
+
+A torn last record is what a crash while appending leaves: it is ignored and
+the records before it are replayed. Anything else unreadable is *damage*
+(:attr:`Loaded.damage`): an unreadable snapshot (or none beside a journal), or
+a bad record with good records after it (found by resynchronising on the next
+record whose checksum holds). The caller then rebuilds the index from the
+blocks themselves (``rebuild``); what the readable parts said is only a hint
+for it (which copy of a block, and in what use order).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import struct
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import msgspec
 import xxhash
@@ -26,6 +35,8 @@ logger = logging.getLogger(__name__)
 _INDEX_MAGIC = b"SGKVIDX\x01"
 _INDEX_PREFIX = struct.Struct("<8sQ")
 _RECORD_PREFIX = struct.Struct("<IQ")  # payload length, payload xxh3-64
+_MAX_RECORD = 1 << 20  # a record is one header (a few KiB): a longer length is not one
+_RECORD_START = re.compile(rb"\x94\xa3|\x94\xa5")  # every payload opens so: a 4-array, then "add"/"del" or "clear"
 
 
 class _Record(msgspec.Struct, array_like=True):
@@ -61,11 +72,12 @@ class IndexJournal:
         self._dirty = False
         self._last_snapshot = time.monotonic()
 
-    def load(self) -> list[tuple[int, BlockHeader]]:
-        """``(slot, header)`` of every block the last run left, later records winning."""
+    def load(self) -> "Loaded":
+        """What the last run left: ``(slot, header)`` of every block, later records winning, and any damage."""
         by_slot: dict[int, BlockHeader] = {}
         slot_of: dict[str, int] = {}
         path = self._dir / "index.msgpack"
+        damage = None
         if path.exists():
             try:
                 raw = path.read_bytes()
@@ -81,14 +93,15 @@ class IndexJournal:
                 for entry in snapshot.entries:
                     self._restore(by_slot, slot_of, entry.slot, entry.header)
             except (OSError, ValueError, struct.error, msgspec.DecodeError) as exc:
-                logger.warning("kvbm: discarded the disk index %s (%s); the disk tier starts empty", path, exc)
+                damage = f"the snapshot {path.name} is unreadable: {exc}"
                 by_slot.clear()
                 slot_of.clear()
-                (self._dir / "journal").unlink(missing_ok=True)
-        replayed = self._replay(by_slot, slot_of)
-        if replayed:
+        elif (self._dir / "journal").exists() and (self._dir / "journal").stat().st_size:
+            damage = f"the snapshot {path.name} is missing beside a journal"
+        replayed, broken = self._replay(by_slot, slot_of)
+        if replayed and damage is None and broken is None:
             logger.info("kvbm: replayed %d disk index changes from the journal", replayed)
-        return list(by_slot.items())
+        return Loaded(list(by_slot.items()), damage or broken)
 
     def _restore(self, by_slot: dict[int, BlockHeader], slot_of: dict[str, int], slot: int, header: BlockHeader) -> None:
         """Record ``header`` in ``slot``; a slot holds one block and a block one slot: the later record wins."""
@@ -103,22 +116,25 @@ class IndexJournal:
         by_slot[slot] = header
         slot_of[header.block_id] = slot
 
-    def _replay(self, by_slot: dict[int, BlockHeader], slot_of: dict[str, int]) -> int:
+    def _replay(self, by_slot: dict[int, BlockHeader], slot_of: dict[str, int]) -> tuple[int, Optional[str]]:
+        """Apply every intact record; how many, and the damage if a bad one has good ones after it."""
         try:
             raw = (self._dir / "journal").read_bytes()
         except FileNotFoundError:
-            return 0
+            return 0, None
         offset = count = 0
+        damage = None
         while offset + _RECORD_PREFIX.size <= len(raw):
-            length, digest = _RECORD_PREFIX.unpack_from(raw, offset)
-            payload = raw[offset + _RECORD_PREFIX.size : offset + _RECORD_PREFIX.size + length]
-            if len(payload) != length or xxhash.xxh3_64_intdigest(payload) != digest:
-                logger.warning("kvbm: the disk index journal ends in a torn or corrupt record; ignoring the rest")
-                break
-            try:
-                record = msgspec.msgpack.decode(payload, type=_Record)
-            except msgspec.DecodeError:
-                break
+            record, end = _record_at(raw, offset)
+            if record is None:
+                resumed = _next_record(raw, offset + 1)
+                if resumed is None:
+                    logger.warning("kvbm: the disk index journal ends in a torn record (%d bytes, a crash while it "
+                                   "was written); ignoring it", len(raw) - offset)
+                    break
+                damage = damage or f"journal record {count + 1} (byte {offset} of {len(raw)}) is bad, with records after it"
+                offset = resumed
+                continue
             if record.op == "add" and record.header is not None:
                 self._restore(by_slot, slot_of, record.slot, record.header)
             elif record.op == "del":
@@ -128,9 +144,9 @@ class IndexJournal:
             elif record.op == "clear":
                 by_slot.clear()
                 slot_of.clear()
-            offset += _RECORD_PREFIX.size + length
+            offset = end
             count += 1
-        return count
+        return count, damage
 
     def open(self) -> None:
         fd = os.open(self._dir / "journal", os.O_RDWR | os.O_CREAT, 0o600)
@@ -200,9 +216,40 @@ class IndexJournal:
         self.snapshot(entries)
         self._last_snapshot = time.monotonic()
 
-    def close(self, entries: list[tuple[int, BlockHeader]]) -> None:
+    def close(self, entries: Optional[list[tuple[int, BlockHeader]]]) -> None:
+        """Write the snapshot of ``entries`` and close; None leaves the files as they are (a rebuild not done)."""
         if self._file is None:
             return
-        self.snapshot(entries)
+        if entries is not None:
+            self.snapshot(entries)
         self._file.close()
         self._file = None
+
+
+class Loaded(NamedTuple):
+    entries: list[tuple[int, BlockHeader]]  # what the readable parts say, least recently used first
+    damage: Optional[str]  # why they cannot be trusted whole (rebuild from the blocks); None when they can
+
+
+def _record_at(raw: bytes, offset: int) -> tuple[Optional[_Record], int]:
+    """The intact record at ``offset`` and where it ends, or ``(None, offset)``."""
+    length, digest = _RECORD_PREFIX.unpack_from(raw, offset)
+    start = offset + _RECORD_PREFIX.size
+    if length > _MAX_RECORD or start + length > len(raw):
+        return None, offset
+    payload = raw[start : start + length]
+    if xxhash.xxh3_64_intdigest(payload) != digest:
+        return None, offset
+    try:
+        return msgspec.msgpack.decode(payload, type=_Record), start + length
+    except msgspec.DecodeError:  # a checksum that holds over bytes that are no record: crafted
+        return None, offset
+
+
+def _next_record(raw: bytes, start: int) -> Optional[int]:
+    """Offset of the first intact record at or after ``start``, if any (candidates found in C)."""
+    for match in _RECORD_START.finditer(raw, start + _RECORD_PREFIX.size):
+        offset = match.start() - _RECORD_PREFIX.size
+        if _record_at(raw, offset)[0] is not None:
+            return offset
+    return None

@@ -112,13 +112,15 @@ class DiskSlotIndex:
         self._free = [s for s in self._free if s not in slots]
         return removed
 
-    def restore(self, slot: int, header: BlockHeader) -> None:
-        """A block found at start-up (already verified to belong to this identity)."""
-        self.state.reserve([slot])
-        self.state.commit([slot])
-        self.state.register([slot])
-        self._headers[slot] = header
-        self._index.add([header.block_id], [slot])
+    def restore(self, entries: Sequence[tuple[int, BlockHeader]]) -> None:
+        """Blocks found at start-up, least recently used first (already verified to belong to this identity)."""
+        slots = [slot for slot, _ in entries]
+        self.state.reserve(slots)
+        self.state.commit(slots)
+        self.state.register(slots)
+        for slot, header in entries:
+            self._headers[slot] = header
+        self._index.add([header.block_id for _, header in entries], slots)
 
     def entries(self) -> list[tuple[int, BlockHeader]]:
         """``(slot, header)`` of every registered block, least recently used first."""

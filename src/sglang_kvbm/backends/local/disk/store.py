@@ -2,8 +2,10 @@
 
 The facade over the disk tier's parts: the identity directory (``directory``),
 segment files (``segments``), the slot index (``slot_index``), the index
-journal (``journal``) and NIXL I/O (``nixl_io``). Bookkeeping (reserve, commit,
-invalidate, lookups) belongs to the scheduler thread; :meth:`DiskStore.write`
+journal (``journal``), how the index comes back at start (``restart``: from
+the journal, or rebuilt from the blocks when damaged) and NIXL I/O
+(``nixl_io``). Bookkeeping (reserve, commit, invalidate, lookups, taking a
+finished rebuild in) belongs to the scheduler thread; :meth:`DiskStore.write`
 runs on the one disk writer thread and :meth:`DiskStore.read` on the one disk
 reader thread, each with staging buffers of its own.
 
@@ -25,6 +27,7 @@ from sglang_kvbm.backends.local.disk.block_io import DiskStats, read_blocks, wri
 from sglang_kvbm.backends.local.disk.format import BlockHeader, header_bytes_for
 from sglang_kvbm.backends.local.disk.journal import IndexJournal
 from sglang_kvbm.backends.local.disk.nixl_io import DiskIOError, NixlFileIO
+from sglang_kvbm.backends.local.disk.restart import IndexRestart
 from sglang_kvbm.backends.local.disk.segments import SegmentFiles
 from sglang_kvbm.backends.local.disk.setup import DiskProbe
 from sglang_kvbm.backends.local.disk.slot_index import DiskSlotIndex
@@ -80,17 +83,9 @@ class DiskStore:
         )
         self._index = DiskSlotIndex(num_slots)
         self._journal = IndexJournal(self.directory, fingerprint, block_bytes, num_slots)
-        restored = 0
-        for slot, header in self._journal.load() if warm else ():
-            if self.segments.usable(slot):
-                self._index.restore(slot, header)
-                restored += 1
-        taken = {slot for slot, _ in self._index.entries()}
-        self._index.set_free([s for s in self.segments.live_slots() if s not in taken])
-        if restored:
-            logger.info("kvbm: disk tier restored %d blocks from %s (each is verified when read)", restored, self.directory)
-        self._journal.open()
-        self._journal.snapshot(self._index.entries())  # compact what was restored; the journal starts empty
+        self._restart = IndexRestart(self._journal, self._index, self.segments, self.io, warm=warm,
+                                     directory=self.directory, fingerprint=fingerprint,
+                                     header_bytes=self.header_bytes, block_bytes=block_bytes)
         self._holds: dict[int, tuple] = {}  # reservation slot -> segments held by its write
         self._retired: list[BlockMeta] = []
         self._owners: dict[str, int] = {}  # "write"/"read" -> the one thread allowed to use its buffers
@@ -99,6 +94,7 @@ class DiskStore:
         self.write_staging = aligned_empty((self.chunk_blocks, block_bytes), pin=pin)  # device -> disk goes through it
         for tensor in (self._write_headers, self.write_staging):
             self.io.register_memory(tensor)
+        self._restart.start()  # a rebuild's scan, if the index was damaged
 
     header_bytes_for = staticmethod(header_bytes_for)  # the header row of a page size (see ``format``)
 
@@ -214,17 +210,36 @@ class DiskStore:
         return [header.meta() for _, header in self._index.entries()]
 
     def forget(self) -> None:
+        self._restart.drop()
         self._index.forget()
         self._journal.cleared()
 
     def persist(self, force: bool = False) -> None:
-        self._journal.persist(self._index.entries, force=force)
+        self._restart.settle()
+        if not self._restart.pending:  # while a rebuild runs, the damaged files stay as they are
+            self._journal.persist(self._index.entries, force=force)
 
     def accounting(self) -> dict:
-        """Where every slot is: registered, free, being written, or lost with a segment."""
+        """Where every slot is: registered, free, being written, lost with a segment, or awaiting a rebuild."""
         lost = sum(s.slots for s in self.segments.segments if not s.alive)
         return {"slots": self.num_slots, "registered": len(self._index), "free": self._index.free_count(),
-                "writing": self._index.inflight_count(), "lost": lost, "fds": self.segments.open_descriptors()}
+                "writing": self._index.inflight_count(), "lost": lost, "fds": self.segments.open_descriptors(),
+                "rebuilding": self.num_slots - lost if self._restart.pending else 0}
+
+    # -- a rebuild from the blocks (see ``rebuild``; scheduler thread) -------------------------
+
+    @property
+    def rebuilding(self) -> bool:
+        """Whether a rebuild's blocks are not taken in yet (the tier misses and takes no writes meanwhile)."""
+        return self._restart.pending
+
+    def wait_rebuilt(self, timeout: Optional[float] = None) -> bool:
+        """Wait for a rebuild's scan and take its blocks in; whether the tier is rebuilt (tests, benchmarks)."""
+        return self._restart.wait(timeout)
+
+    def take_restored(self) -> list[BlockMeta]:
+        """Blocks a rebuild kept, once, for the caller's ``DISK`` BlockStored events (announce parents first)."""
+        return self._restart.take_restored()
 
     # -- I/O (worker threads) ----------------------------------------------------------
 
@@ -248,7 +263,8 @@ class DiskStore:
         return read_blocks(self, entries, data_rows, header_rows, self.chunk_blocks, READ_DEPTH)
 
     def close(self) -> None:
-        self._journal.close(self._index.entries())
+        complete = self._restart.stop()  # a scan stopped before its end leaves the files to the next start's
+        self._journal.close(self._index.entries() if complete else None)
         self.segments.close()
         self._lock_file.close()
 
@@ -265,6 +281,7 @@ class DiskStore:
         verification when read (a miss). The segment files, their NIXL
         registrations and the lock move with the directory; no byte is copied.
         """
+        self._restart.drop()  # a rebuild's blocks are of the old identity
         self.directory = identity_dir.move(self.directory, fingerprint)
         self.segments.directory = self.directory
         for segment in self.segments.segments:  # a retired file is recreated at its path: the new one
