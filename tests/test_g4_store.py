@@ -110,3 +110,17 @@ def test_a_lost_master_turns_calls_into_misses_without_raising(cluster):
     assert time.monotonic() - started < 0.05
     assert not a.store.available and a.store.stats["down"] == 1
     assert first < 20, f"the first calls after the loss took {first:.1f} s"
+
+
+def test_a_write_goes_under_the_identity_it_names_and_a_closed_store_stays_closed(cluster):
+    """G4Writes names the identity a block was queued under: a re-key meanwhile does not move its object."""
+    a, old, new = Worker(cluster), Worker(cluster), Worker(cluster, fingerprint=bytes(16))
+    a.store.rekey(bytes(16))
+    a.rows[0].copy_(expected(1))
+    meta = BlockMeta("p0", tuple(range(1, 1 + PAGE)), EventIdentity(1, None), None)
+    assert a.store.write([meta], [a.rows[0]], [a.headers[0]], fingerprint=IDENTITY) == [True]
+    assert a.store.contains(["p0"], IDENTITY) == [True] and a.store.contains(["p0"]) == [False]
+    assert new.store.contains(["p0"]) == [False]
+    assert old.read(["p0"])[0] is not None and torch.equal(old.rows[0], expected(1))  # named and signed as IDENTITY
+    a.store.close()
+    assert not a.store.connected and a.store.contains(["p0"], IDENTITY) == [False] and not a.store.connected

@@ -142,3 +142,55 @@ def test_lru_pop_victims_matches_a_plain_model_of_the_policy():
                 expected.append((b, b + 1000))
             assert lru.pop_victims(n) == expected, step
         assert [b for b, _ in lru.items()] == order and lru.pinned_count() == len(pins)
+
+
+def test_a_host_row_pinned_by_two_holders_is_reused_only_after_both_let_go():
+    """A disk write and a G4 write pin one row; the tiers are forgotten; the first to end must not free the row."""
+    from sglang_kvbm.backends.local.host_pool import HostBlockPool
+    from sglang_kvbm.core.ports import BlockMeta
+    from sglang_kvbm.kv_layout import aligned_empty
+
+    pool = HostBlockPool(aligned_empty((2, 4096)))
+    rows, _ = pool.reserve(["x"])
+    pool.commit([BlockMeta("x", (1, 2), None, None)], rows)
+    held = pool.pin(["x"])  # the disk write
+    assert pool.pin(["x"]) == held  # the G4 write
+    pool.forget()
+    pool.release_orphans(held)  # the disk write ends
+    assert pool.accounting()["orphaned"] == 1
+    got, _ = pool.reserve(["y", "z"])
+    assert held[0] not in got and len(got) == 1  # the G4 write still reads its row
+    pool.release_orphans(held)  # the G4 write ends
+    assert pool.accounting()["orphaned"] == 0 and pool.reserve(["w"])[0] == held
+
+
+def test_pinned_host_memory_is_unregistered_before_it_is_unmapped(monkeypatch):
+    """``aligned_empty(pin=True)`` hands ``cuda_copies.pin`` the object whose finalizer runs ``cudaHostUnregister``;
+    that finalizer must run while the range is still mapped (a finalizer on the ``mmap`` itself runs after its
+    munmap). CUDA cannot run here: ``pin`` is replaced by what it does besides registering (the finalizer)."""
+    import gc
+    import weakref
+
+    from sglang_kvbm import cuda_copies
+    from sglang_kvbm.kv_layout import aligned_empty
+
+    def mapped(address: int) -> bool:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                start, end = (int(x, 16) for x in line.split()[0].split("-"))
+                if start <= address < end:
+                    return True
+        return False
+
+    seen = []
+    monkeypatch.setattr(cuda_copies, "pin", lambda memory, base: weakref.finalize(
+        memory, lambda: seen.append(mapped(base))))
+    slab = aligned_empty((4, 4096), pin=True)
+    view = slab[1:3]
+    base = slab.data_ptr()
+    del slab
+    gc.collect()
+    assert seen == [] and mapped(base)  # a view keeps the memory
+    del view
+    gc.collect()
+    assert seen == [True]

@@ -54,7 +54,8 @@ _pinned_lock = threading.Lock()
 
 
 def pin(memory, base: int) -> None:
-    """Page-lock ``memory`` (an ``mmap``, at address ``base``) with one ``cudaHostRegister``, until it is freed."""
+    """Page-lock ``memory`` (the object owning a host mapping, at address ``base``: ``kv_layout._host_mapping``)
+    with one ``cudaHostRegister``, until it is freed (unregistered before the range is unmapped)."""
     nbytes = len(memory)
     cudart = torch.cuda.cudart()
     err = cudart.cudaHostRegister(base, nbytes, 0)

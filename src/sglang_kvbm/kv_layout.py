@@ -20,6 +20,7 @@ computed inside it, on that stream.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import mmap
 from typing import Callable, Iterable, Optional, Sequence
@@ -38,14 +39,15 @@ def aligned_empty(shape: tuple[int, int], *, pin: bool = False) -> torch.Tensor:
     memory is an anonymous ``mmap`` (page-aligned, zero-filled as it is touched),
     which the tensor's storage keeps, and every view of it keeps the storage.
     Page-locked memory is unregistered when that mapping goes, i.e. with the
-    last view of it, not with one Python object that views it.
+    last view of it, not with one Python object that views it, and before the
+    range is unmapped (see :func:`_host_mapping`).
 
     Pinning gigabytes takes seconds: the pages are first touched a chunk at a
     time (with progress), then page-locked with one ``cudaHostRegister``
     (``cuda_copies.pin``: the GPU then reads and writes them in place).
     """
     nbytes = shape[0] * shape[1]
-    memory = mmap.mmap(-1, max(nbytes, BLOCK_ALIGN))
+    memory = _host_mapping(max(nbytes, BLOCK_ALIGN))
     flat = torch.frombuffer(memory, dtype=torch.uint8)
     if pin:
         from sglang_kvbm import cuda_copies
@@ -59,6 +61,18 @@ def aligned_empty(shape: tuple[int, int], *, pin: bool = False) -> torch.Tensor:
                 progress.update(part.numel())
         cuda_copies.pin(memory, flat.data_ptr())
     return flat[:nbytes].view(shape)
+
+
+def _host_mapping(nbytes: int):
+    """``nbytes`` of anonymous memory (an ``mmap``), held by the object returned: a ``ctypes`` array over it.
+
+    ``cuda_copies.pin`` unregisters the memory in a ``weakref.finalize`` on the object it is given. On the ``mmap``
+    itself that finalizer would run after the munmap (CPython's mmap dealloc unmaps, then clears its weak
+    references), leaving ``cudaHostUnregister`` an unmapped range. A Python subclass's weak references are cleared
+    before its base is torn down: the finalizer runs first, then the array lets go of the ``mmap``, which unmaps.
+    """
+    memory = mmap.mmap(-1, nbytes)
+    return type("HostMapping", (ctypes.c_uint8 * nbytes,), {}).from_buffer(memory)
 
 
 def index(values: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:

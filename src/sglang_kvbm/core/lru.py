@@ -70,6 +70,10 @@ class LruIndex:
     def pinned(self, block_id: Hashable) -> bool:
         return block_id in self._pins
 
+    def pins(self, block_id: Hashable) -> int:
+        """How many holders pin this block now (each ``pin`` not yet undone)."""
+        return self._pins.get(block_id, 0)
+
     def pop_victim(self) -> Optional[tuple[Hashable, int]]:
         """Remove and return the least recently used unpinned block, or None if every block is pinned."""
         victims = self.pop_victims(1)

@@ -6,6 +6,12 @@ blocks are kept in LRU order (:class:`~sglang_kvbm.core.lru.LruIndex`). Only
 the scheduler thread calls this class. Copy threads write the rows of
 ``MUTABLE`` blocks and read the rows of pinned ones, nothing else; a row is
 reused only after its block was dropped *and* no copy can still use it.
+
+Pins are counted per holder (a disk write, a G4 write and a load may read one
+row at once). When the blocks are forgotten (:meth:`HostBlockPool.forget`), a
+row still pinned becomes an orphan holding that count: each holder gives its
+hold back when it ends (:meth:`HostBlockPool.release_orphans`), and the row is
+free only once the last one did.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ class HostBlockPool:
         self._index = LruIndex()
         self._inflight: dict[BlockId, int] = {}
         self._metas: list[Optional[BlockMeta]] = [None] * self.capacity
-        self._orphans: set[int] = set()  # rows of forgotten blocks a copy still reads
+        self._orphans: dict[int, int] = {}  # row of a forgotten block -> holders (copies) that still use it
 
     def __len__(self) -> int:
         return len(self._index)
@@ -150,24 +156,32 @@ class HostBlockPool:
         """Drop every block. Rows a copy still uses (pinned, or being written) stay taken until it ends."""
         for block_id, row in self._index.items():
             self._metas[row] = None
-            if self._index.pinned(block_id):
-                self._orphans.add(row)  # a disk write or a load still reads it: see release_orphans()
+            holders = self._index.pins(block_id)
+            if holders:
+                self._orphans[row] = holders  # disk/G4 writes or loads still read it: see release_orphans()
             else:
                 self.rows_state.drop([row])
                 self._free.append(row)
         self._index.clear()
-        self._orphans.update(self._inflight.values())
+        self._orphans.update(dict.fromkeys(self._inflight.values(), 1))  # the copy writing it
         self._inflight.clear()
 
     def release_orphans(self, rows: Sequence[int]) -> None:
-        """A copy that started before :meth:`forget` ended: its rows are free now."""
+        """A copy that started before :meth:`forget` ended: it gives back its hold on its rows (one per row it
+        pinned or was writing); a row is free once no holder is left."""
         if not self._orphans:  # the usual case: no forget() happened while a copy ran
             return
+        orphans = self._orphans
         for row in rows:
-            if row in self._orphans:
-                self._orphans.discard(row)
-                self.rows_state.drop([row])
-                self._free.append(row)
+            holders = orphans.get(row)
+            if holders is None:
+                continue
+            if holders > 1:
+                orphans[row] = holders - 1
+                continue
+            del orphans[row]
+            self.rows_state.drop([row])
+            self._free.append(row)
 
     def accounting(self) -> dict:
         """Where every row is (for ``/stats`` and the soak test's bookkeeping check)."""

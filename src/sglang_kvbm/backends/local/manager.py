@@ -80,6 +80,7 @@ class LocalBlockManager:
         self.observer = observer
         self.stats = LocalStats()
         self._events: list[TierEvent] = []
+        self._closed = False
         self.offloads = Offloads(layout, self.host, disk, offload_filter, self.stats, self._events.append,
                                  self.observe, executor, writer)
         self._reader = None
@@ -128,6 +129,7 @@ class LocalBlockManager:
         if self.disk is not None:
             self._removed(Tier.DISK, self.disk.take_retired())
             self.disk.persist()
+            self._announce_restored(self.disk.take_restored())  # blocks a rebuilt index kept (disk/rebuild.py)
         events = tuple(self._events)
         self._events.clear()
         return PollResult(tuple(done), events)
@@ -202,6 +204,12 @@ class LocalBlockManager:
             self.disk.forget()
 
     def close(self) -> None:
+        """Stop every thread (queued copies are cancelled), collect what ended, close the disk tier and G4's client."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.g4_writes is not None:
+            self.g4_writes.close()  # nothing more goes to the G4 thread, retries included
         self.offloads.shutdown()
         for lane in (self._reader, self._g4_lane):
             if lane is not None:
@@ -209,6 +217,8 @@ class LocalBlockManager:
         self.poll()
         if self.disk is not None:
             self.disk.close()
+        if self.g4 is not None:  # after its thread: no call is under way; what this worker lent leaves with it
+            self.g4.close()
 
     def observe(self, path: str, nbytes: int, seconds: float) -> None:
         """Report a finished transfer to the metrics (when they are on)."""

@@ -24,6 +24,9 @@ master gone each one takes ~4.5 s to fail (its batch calls let go of the GIL
 meanwhile, measured; ``setup`` does not: see :meth:`G4Store.connect`). So every
 call runs on the G4 thread (never the scheduler's), and the first RPC failure
 marks the store down for ``retry_s``: calls in that window answer "miss" at once.
+A write names its objects, and signs its headers, with the identity it is given
+(the one its block was queued under: see ``g4_tier.G4Writes``), not whatever the
+store is re-keyed to meanwhile.
 
 Not Mooncake's own ``MooncakeStore`` (SGLang's ``HiCacheStorage``): it moves
 bytes only to and from SGLang's host KV pool, in raw pages without a header,
@@ -98,8 +101,14 @@ class G4Store:
         self._client = None
         self._lent: list[torch.Tensor] = []  # host memory Mooncake moves bytes to and from, registered on connect
         self._down_until = 0.0
+        self.last_fault = float("-inf")  # monotonic time of the last failed call (the master may have lost objects)
+        self._closed = False
         self._lock = threading.Lock()  # one call at a time (register, reads, writes come from different threads)
-        self.stats = {"written": 0, "read": 0, "misses": 0, "rejected": 0, "down": 0}
+        self.stats = {"written": 0, "read": 0, "misses": 0, "rejected": 0, "down": 0,
+                      # the write-through's (g4_tier.G4Writes): blocks not queued (queue full), writes dropped (a
+                      # reset or re-key since queued), queued again (failed, or offered while down), given up, and
+                      # written again (G4 had lost them: a master restart)
+                      "write_queue_full": 0, "write_stale": 0, "write_retried": 0, "write_gave_up": 0, "rewritten": 0}
 
     def rekey(self, fingerprint: bytes) -> None:
         """Read and write under another identity from now on (weights replaced in memory: see ``weight_updates``)."""
@@ -107,8 +116,10 @@ class G4Store:
         self.tag = TAG_PREFIX + fingerprint.hex()[:16]  # SGLang's extra_backend_tag, as Dynamo's router is told it
         self.prefix = key_prefix(self.tag, self.model_name)
 
-    def key(self, block_id: BlockId) -> str:
-        return f"{self.prefix}_{block_id}{self.suffix}"
+    def key(self, block_id: BlockId, fingerprint: Optional[bytes] = None) -> str:
+        """The object's name under this store's identity, or under ``fingerprint``."""
+        prefix = self.prefix if fingerprint is None else key_prefix(TAG_PREFIX + fingerprint.hex()[:16], self.model_name)
+        return f"{prefix}_{block_id}{self.suffix}"
 
     # -- connection -------------------------------------------------------------------------
 
@@ -122,6 +133,8 @@ class G4Store:
         """
         if self._client is not None:
             return True
+        if self._closed:
+            return False
         unreachable = unreachable_endpoints(self.settings.master, self.settings.metadata)
         if unreachable:
             self._fail(f"{', '.join(unreachable)} did not accept a connection")
@@ -152,6 +165,7 @@ class G4Store:
         return not self.down and (self._client is not None or self.connect())
 
     def _fail(self, why: str) -> None:
+        self.last_fault = time.monotonic()
         if time.monotonic() >= self._down_until:
             logger.warning("kvbm: G4 (Mooncake) unavailable: %s; its blocks are misses for the next %.0f s",
                            why, self.retry_s)
@@ -177,36 +191,47 @@ class G4Store:
             raise RuntimeError(f"Mooncake register_buffer returned {rc}")
 
     def close(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            client.close()
+        """Leave the store (what this worker lent leaves with it); later calls answer "miss" and never reconnect."""
+        self._closed = True
+        with self._lock:  # after the call under way, if any
+            client, self._client = self._client, None
+            if client is not None:
+                client.close()
 
     # -- blocks (a worker thread: each call may block for seconds when the master is lost) -------------
 
-    def contains(self, block_ids: Sequence[BlockId]) -> list[bool]:
+    def contains(self, block_ids: Sequence[BlockId], fingerprint: Optional[bytes] = None) -> list[bool]:
         if not block_ids or not self.available:
             return [False] * len(block_ids)
+        keys = [self.key(b, fingerprint) for b in block_ids]
         with self._lock:
-            found = self._client.batch_is_exist([self.key(b) for b in block_ids])
+            if self._client is None:  # closed meanwhile
+                return [False] * len(block_ids)
+            found = self._client.batch_is_exist(keys)
         if any(f == RPC_FAIL for f in found):
             self._fail("the master did not answer a lookup")
             return [False] * len(block_ids)
         return [f == 1 for f in found]
 
-    def write(self, metas: Sequence[BlockMeta], rows: Sequence[torch.Tensor], headers: Sequence[torch.Tensor]) -> list[bool]:
-        """Put each block (its header into ``headers[i]``, then ``rows[i]``); an object already there is kept."""
+    def write(self, metas: Sequence[BlockMeta], rows: Sequence[torch.Tensor], headers: Sequence[torch.Tensor],
+              fingerprint: Optional[bytes] = None) -> list[bool]:
+        """Put each block (its header into ``headers[i]``, then ``rows[i]``) under this store's identity, or under
+        ``fingerprint`` (names and headers both); an object already there is kept."""
+        fingerprint = self.fingerprint if fingerprint is None else fingerprint
         if not metas or not self.available:
             return [False] * len(metas)
         sent, ptrs = [], []  # indices of the blocks whose header fits, and their buffers
         for i, (meta, row, header) in enumerate(zip(metas, rows, headers)):
             try:
-                encode_header(BlockHeader.of(meta, checksum(row), self.fingerprint), header)
+                encode_header(BlockHeader.of(meta, checksum(row), fingerprint), header)
             except HeaderTooLarge:  # logged by nobody else: this block is simply not shared
                 continue
             sent.append(i)
             ptrs.append([header.data_ptr(), row.data_ptr()])
-        keys = [self.key(metas[i].block_id) for i in sent]
+        keys = [self.key(metas[i].block_id, fingerprint) for i in sent]
         with self._lock:
+            if self._client is None:  # closed meanwhile
+                return [False] * len(metas)
             results = self._client.batch_put_from_multi_buffers(
                 keys, ptrs, [[self.header_bytes, self.block_bytes]] * len(keys)) if keys else []
         if any(r == RPC_FAIL for r in results):
@@ -226,6 +251,8 @@ class G4Store:
         ptrs = [[h.data_ptr(), r.data_ptr()] for h, r in zip(headers, rows)]
         sizes = [[self.header_bytes, self.block_bytes]] * len(keys)
         with self._lock:
+            if self._client is None:  # closed meanwhile
+                return [None] * len(block_ids)
             got = self._client.batch_get_into_multi_buffers(keys, ptrs, sizes)
         if any(g == RPC_FAIL for g in got):
             self._fail("the master did not answer a read")
