@@ -179,8 +179,9 @@ class G4Writes:
     def _submit(self, fresh: list, recheck: list) -> None:
         metas = fresh + recheck
         room = max(0, self.queue_blocks - self.queued)
-        if len(metas) > room:  # a backlog: these are not shared (offered again if reused)
+        if len(metas) > room:  # a backlog: the rest wait (unpinned, in the bounded retry set) for room
             self.stats["write_queue_full"] += len(metas) - room
+            self._defer([m.block_id for m in metas[room:]])
             metas = metas[:room]
         if not metas:
             return
