@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from typing import Optional, Sequence
@@ -141,8 +142,11 @@ class G4Store:
             return False
         from mooncake.store import MooncakeDistributedStore
 
-        client = MooncakeDistributedStore()
         s = self.settings
+        # What the client advertises to its peers (Mooncake reads it at setup; without it, the host's first
+        # address even beside a local master). It moves no listener: those are on every address (README).
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", s.hostname)
+        client = MooncakeDistributedStore()
         rc = client.setup(s.hostname, s.metadata, s.segment_bytes, s.local_buffer_bytes, s.protocol, "", s.master)
         if rc != 0:
             self._fail(f"setup returned {rc} (master {s.master}, metadata {s.metadata})")
