@@ -1,0 +1,350 @@
+"""The chaos soak's workers and faults: kvbm servers that can be killed, damaged and restarted.
+
+A :class:`Worker` is one ``--radix-cache-backend kvbm`` server (device pool,
+host tier, disk tier, optionally G4) that keeps its disk directory across
+restarts. Each incarnation logs to a file of its own in the log directory.
+The faults damage what a worker keeps on disk (segment data and headers,
+truncation, a deleted segment, the index snapshot and journal) or in Mooncake
+(objects overwritten with other bytes of the same size), kill it with SIGKILL
+and start it again on the same directory, reload its weights from disk, flush
+its cache, and kill and restart the Mooncake master. Each returns a short
+description of what it did ("" when there was nothing to damage).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Optional
+
+import requests
+
+from sglang_kvbm.testing.server import SglangServer, free_port
+
+HEADER_BYTES = 4096  # a slot's header row at page 16 (disk.format.header_bytes_for)
+WARM_UP = [4000 + i for i in range(48)]  # three pages no schedule's prompt starts with
+
+
+class Worker:
+    def __init__(self, name: str, model: Path, scratch: Path, logs: Path, *, pool: int, host_blocks: int,
+                 disk_blocks: int, page_size: int = 16, cluster=None) -> None:
+        self.name, self.model, self.logs = name, model, logs
+        self.disk = scratch / f"disk-{name}"
+        self.disk.mkdir(parents=True, exist_ok=True)
+        self.pool, self.page_size = pool, page_size
+        self.env = {
+            "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": str(host_blocks),
+            "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": str(disk_blocks),
+            "DYN_KVBM_DISK_CACHE_DIR": str(self.disk),
+            "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER": "true",
+            "DYN_KVBM_METRICS": "true",
+            "SGLANG_KVBM_DIGEST_CACHE": str(scratch / f"digests-{name}.json"),
+        }
+        if cluster is not None:
+            self.env.update({"SGLANG_KVBM_MOONCAKE_MASTER": cluster.master_address,
+                             "SGLANG_KVBM_MOONCAKE_METADATA": cluster.metadata_url, "MC_TCP_BIND_ADDRESS": "127.0.0.1"})
+        self.incarnation = 0
+        self.server: Optional[SglangServer] = None
+        self.http = 0
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    @property
+    def log_path(self) -> Path:
+        return self.logs / f"{self.name}-{self.incarnation}.log"
+
+    def start(self) -> float:
+        """Start an incarnation (new ports, same disk directory); seconds until healthy."""
+        self.incarnation += 1
+        self.http = free_port()
+        self.server = SglangServer(self.model, page_size=self.page_size, max_total_tokens=self.pool,
+                                   extra_args=["--radix-cache-backend", "kvbm"],
+                                   env={**self.env, "DYN_KVBM_METRICS_PORT": str(self.http)}, log_path=self.log_path)
+        started = time.monotonic()
+        self.server.start(timeout=300)
+        self.server.generate(WARM_UP, max_new_tokens=1)  # the first request's one-time costs (full pages)
+        return time.monotonic() - started
+
+    def alive(self) -> bool:
+        proc = self.server._proc if self.server else None
+        return proc is not None and proc.poll() is None
+
+    def kill9(self) -> None:
+        """SIGKILL to the server's whole process group, as a crash: nothing is flushed or closed."""
+        proc = self.server._proc
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=60)
+        self.server.stop()  # reaps what is left of the group, closes the log
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+    def stats(self) -> dict:
+        return requests.get(f"http://127.0.0.1:{self.http}/stats", timeout=30).json()
+
+    def tier_dirs(self) -> list[Path]:
+        return sorted(p for p in self.disk.glob("sglang-kvbm-*") if p.is_dir())
+
+    def idle_check(self, timeout: float = 30.0) -> tuple[Optional[str], dict]:
+        """At idle, wait until no copy is in flight and nothing is pinned; (None, stats) or (what leaks, stats).
+
+        SGLang unlocks a node at its next step, so a one-token request drives steps
+        while waiting (its 5 tokens fill no page: it stores nothing). A real leak never settles.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                stats = self.stats()
+                problem = leak_of(stats)
+            except (requests.RequestException, ValueError) as exc:
+                stats, problem = {}, f"/stats unreadable: {exc}"
+            if problem is None or time.monotonic() > deadline:
+                return problem, stats
+            try:
+                self.server.generate([7, 8, 9, 10, 11], max_new_tokens=1)
+            except requests.RequestException:
+                pass
+            time.sleep(0.2)
+
+
+def leak_of(s: dict) -> Optional[str]:
+    """What an idle server's ``/stats`` shows still held, or None: pins, copies in flight, orphaned host rows,
+    device pages held, events held back, and books that do not add up."""
+    found = []
+    if s.get("in_flight"):
+        found.append(f"in_flight={s['in_flight']}")
+    host = s.get("host") or {}
+    for key in ("pinned", "in_flight", "orphaned"):
+        if host.get(key):
+            found.append(f"host.{key}={host[key]}")
+    if host and host["registered"] + host["free"] != host["capacity"]:
+        found.append(f"host rows {host['registered']}+{host['free']} != {host['capacity']}")
+    disk = s.get("disk") or {}
+    if disk.get("writing"):
+        found.append(f"disk.writing={disk['writing']}")
+    if disk and not disk.get("rebuilding") and disk["registered"] + disk["free"] + disk["lost"] != disk["slots"]:
+        found.append(f"disk slots {disk['registered']}+{disk['free']}+{disk['lost']} != {disk['slots']}")
+    device = s.get("device") or {}
+    if device.get("protected"):
+        found.append(f"device.protected={device['protected']}")
+    if device and device["available"] + device["evictable"] != device["total"]:
+        found.append(f"device {device['available']}+{device['evictable']} != {device['total']}")
+    if (s.get("events") or {}).get("held"):
+        found.append(f"events.held={s['events']['held']}")
+    return ", ".join(found) or None
+
+
+# -- disk damage ----------------------------------------------------------------------------------
+
+
+def _live_dir(worker: Worker) -> Optional[Path]:
+    """The identity directory the server writes now (a weight update moves it: the last one written to)."""
+    def written(d: Path) -> float:
+        return max((p.stat().st_mtime for p in d.iterdir() if p.is_file()), default=0.0)
+
+    dirs = worker.tier_dirs()
+    return max(dirs, key=written) if dirs else None
+
+
+def _segments(worker: Worker) -> list[Path]:
+    live = _live_dir(worker)
+    return sorted(live.glob("seg-*.kv")) if live else []
+
+
+def _flip(path: Path, offsets, rng: random.Random) -> int:
+    """XOR a random non-zero byte into ``path`` at each offset inside it; how many were flipped."""
+    size = path.stat().st_size
+    flipped = 0
+    with open(path, "r+b") as f:
+        for offset in offsets:
+            if 0 <= offset < size:
+                f.seek(offset)
+                byte = f.read(1)
+                f.seek(offset)
+                f.write(bytes([byte[0] ^ rng.randrange(1, 256)]))
+                flipped += 1
+    return flipped
+
+
+def _used_slots(worker: Worker, path: Path, rng: random.Random, count: int, slot_bytes: int) -> list[int]:
+    """Slots of ``path`` that hold a block now (a magic at the slot's start), else any slots."""
+    slots = path.stat().st_size // slot_bytes
+    used = []
+    with open(path, "rb") as f:
+        for k in range(slots):
+            f.seek(k * slot_bytes)
+            if f.read(6) == b"SGKVBM":
+                used.append(k)
+    pool = used or list(range(slots))
+    return rng.sample(pool, min(count, len(pool)))
+
+
+def disk_flip(worker: Worker, rng: random.Random, slot_bytes: int, *, header: bool, count: int = 6) -> str:
+    segments = _segments(worker)
+    if not segments:
+        return ""
+    path = rng.choice(segments)
+    slots = _used_slots(worker, path, rng, count, slot_bytes)
+    if header:  # inside the header's used part: magic, length, checksum, the msgpack payload
+        offsets = [k * slot_bytes + rng.randrange(0, 160) for k in slots]
+    else:
+        offsets = [k * slot_bytes + HEADER_BYTES + rng.randrange(slot_bytes - HEADER_BYTES) for k in slots]
+    n = _flip(path, offsets, rng)
+    return f"{n} {'header' if header else 'data'} bytes in {path.name} slots {sorted(slots)}" if n else ""
+
+
+def disk_truncate(worker: Worker, rng: random.Random) -> str:
+    segments = [p for p in _segments(worker) if p.stat().st_size]
+    if not segments:
+        return ""
+    path = rng.choice(segments)
+    size = path.stat().st_size
+    keep = rng.randrange(size // 8, size // 2)
+    os.truncate(path, keep)
+    return f"{path.name} {size} -> {keep} bytes"
+
+
+def disk_delete(worker: Worker, rng: random.Random) -> str:
+    segments = _segments(worker)
+    if not segments:
+        return ""
+    path = rng.choice(segments)
+    path.unlink()
+    return f"deleted {path.name}"
+
+
+def index_flip(worker: Worker, rng: random.Random, name: str) -> str:
+    """Flip 4 bytes of ``index.msgpack`` or of the journal's first half (a record with good ones after it)."""
+    live = _live_dir(worker)
+    for d in [live] if live else []:
+        path = d / name
+        if path.exists() and path.stat().st_size > 16:
+            size = path.stat().st_size
+            end = size if name == "index.msgpack" else max(17, size // 2)
+            start = rng.randrange(0, end - 4)
+            n = _flip(path, range(start, start + 4), rng)
+            return f"{n} bytes at {start} of {name} ({size} bytes)"
+    return ""
+
+
+# -- whole-server faults ---------------------------------------------------------------------------
+
+
+def flush(worker: Worker, bound: float) -> tuple[bool, int]:
+    """``/flush_cache``, retried while SGLang refuses it (400: not idle); (done, tries)."""
+    deadline = time.monotonic() + bound
+    tries = 0
+    while time.monotonic() < deadline:
+        tries += 1
+        if requests.post(f"{worker.url}/flush_cache", timeout=60).status_code == 200:
+            return True, tries
+        time.sleep(0.2)
+    return False, tries
+
+
+def weight_update(worker: Worker, rng: random.Random) -> str:
+    """``/update_weights_from_disk`` with the files it serves (with or without SGLang's flush)."""
+    flush_cache = rng.random() < 0.5
+    response = requests.post(f"{worker.url}/update_weights_from_disk",
+                             json={"model_path": str(worker.model), "flush_cache": flush_cache}, timeout=600)
+    body = response.json()
+    if not body.get("success"):
+        raise RuntimeError(f"update_weights_from_disk failed: {response.status_code} {body}")
+    return f"flush_cache={flush_cache}"
+
+
+def abort_stream(url: str, prompt: list, *, after_first: bool) -> None:
+    """A streaming request the client closes: before any token (mid-prefill or mid-load), or after the first."""
+    body = {"input_ids": prompt, "stream": True,
+            "sampling_params": {"max_new_tokens": 64, "temperature": 0.0, "ignore_eos": True}}
+    response = requests.post(f"{url}/generate", json=body, stream=True, timeout=120)
+    try:
+        if after_first:
+            next(response.iter_lines(), None)
+    finally:
+        response.close()
+
+
+# -- Mooncake ------------------------------------------------------------------------------------
+
+
+def g4_damage(cluster, rng: random.Random, log: Path) -> str:
+    """Overwrite a tenth of this library's objects in Mooncake (at least 4) with other bytes of the same size:
+    one byte of the block flipped, all of it random, or a byte of the header changed. Done by a Mooncake
+    client in a process of its own (it lends nothing; its log goes to ``log``, not into the report)."""
+    import json
+    import subprocess
+    import sys
+
+    with open(log, "ab") as err:
+        out = subprocess.run([sys.executable, __file__, "g4-damage", cluster.master_address, cluster.metadata_url,
+                              f"http://127.0.0.1:{cluster.admin_port}", str(rng.randrange(1 << 30))],
+                             stdout=subprocess.PIPE, stderr=err, timeout=120,
+                             env={**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"})
+    done = json.loads(out.stdout or b"[]") if out.returncode == 0 else []
+    if out.returncode:
+        raise RuntimeError(f"the G4 damage client exited with {out.returncode} (see {log})")
+    return f"{len(done)} objects ({', '.join(done)})" if done else ""
+
+
+def _g4_damage_main(master: str, metadata: str, admin: str, seed: str) -> None:
+    import json
+
+    from mooncake.store import MooncakeDistributedStore
+
+    from sglang_kvbm.backends.mooncake.events import list_keys
+
+    rng = random.Random(int(seed))
+    keys = sorted(k for k in list_keys(admin) if k.startswith("kvbm-"))
+    done = []
+    if keys:
+        client = MooncakeDistributedStore()
+        if client.setup("127.0.0.1", metadata, 0, 16 << 20, "tcp", "", master) != 0:
+            raise SystemExit(2)
+        for key in rng.sample(keys, min(max(4, len(keys) // 10), len(keys))):
+            data = client.get(key)
+            if not data:
+                continue
+            data = bytearray(data)
+            how = rng.choice(["flip", "random", "header"])
+            if how == "flip":
+                at = rng.randrange(HEADER_BYTES, len(data))
+                data[at] ^= rng.randrange(1, 256)
+            elif how == "random":
+                data[HEADER_BYTES:] = os.urandom(len(data) - HEADER_BYTES)
+            else:
+                at = rng.randrange(8, 160)
+                data[at] ^= rng.randrange(1, 256)
+            if client.upsert(key, bytes(data)) != 0 and (client.remove(key, True) != 0 or client.put(key, bytes(data))):
+                continue
+            if client.get(key) == bytes(data):
+                done.append(how)
+        client.close()
+    print(json.dumps(done))
+
+
+def master_restart(cluster, serve_meanwhile) -> str:
+    """SIGKILL the master (every object's metadata is gone with it), serve a wave without it, start it again."""
+    cluster.kill_master()
+    serve_meanwhile()
+    cluster.start_master()
+    deadline = time.monotonic() + 60
+    while cluster.capacity() == 0 and time.monotonic() < deadline:  # the lender mounts its memory again
+        time.sleep(0.2)
+    return f"lender capacity {cluster.capacity()} bytes after restart"
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] == ["g4-damage"]:
+        _g4_damage_main(*sys.argv[2:6])
