@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 from conftest import GatedExecutor, Stack  # noqa: E402
-from tp_pair_worker import admit, on_disk_only  # noqa: E402
+from tp_pair_worker import admit, race_on  # noqa: E402
 
 SIZE, PAGE, LAYERS = 64, 4, 2
 
@@ -70,22 +70,7 @@ def disagree(stage, group, root):
 
 def staging_race(stage, group, root):
     """Between stage 1's lookup and its load, its staged and disk copies of page 1 go: both recompute."""
-    stack = build(stage, group, f"{root}/race")
-    tokens = list(range(400, 416))
-    written = on_disk_only(stack, tokens, stage)
-    victim = stack.block_ids(tokens)[1]
-
-    def lose_page_1():
-        if stage == 1:
-            stack.manager.wait(timeout=30)
-            stack.linker.connector.poll()  # the lookup's read staged it (no collective: stage 1 only)
-            stack.manager.staging.pool.remove([victim])
-            stack.manager.disk.invalidate([victim], reason="test")
-
-    first = admit(stack, tokens + [7], "first", between=lose_page_1)
-    second = admit(stack, tokens + [7], "second")
-    stack.cache.close()
-    return {"first": first, "second": second, "written": written}
+    return race_on(build(stage, group, f"{root}/race"), stage)
 
 
 def failed_landing(stage, group, root):

@@ -57,7 +57,7 @@ def main(rank: int, port: int, out: str, root: str) -> None:
     import tp_pair_worker
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=240))
     group = dist.group.WORLD  # the attention-TP group of the TP pair, then the PP group of the PP pair
     found: dict = {}
     for role, worker in (("tp", tp_pair_worker), ("pp", pp_pair_worker)):

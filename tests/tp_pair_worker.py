@@ -130,7 +130,11 @@ def slow_read(rank, group, root):
 
 def staging_race(rank, group, root):
     """Between rank 1's lookup and its load, its staged copy and its disk copy of page 1 go."""
-    stack = build(rank, group, f"{root}/race")
+    return race_on(build(rank, group, f"{root}/race"), rank)
+
+
+def race_on(stack, rank):
+    """Page 1 goes from rank (or stage) 1's staging and disk between its lookup and its load: both recompute."""
     tokens = list(range(400, 416))
     written = on_disk_only(stack, tokens, rank)
     victim = stack.block_ids(tokens)[1]
