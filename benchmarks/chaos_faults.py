@@ -278,7 +278,7 @@ def abort_stream(url: str, prompt: list, *, after_first: bool) -> None:
 
 
 def g4_damage(cluster, rng: random.Random, log: Path) -> str:
-    """Overwrite a tenth of this library's objects in Mooncake (at least 4) with other bytes of the same size:
+    """Overwrite 5% of this library's objects in Mooncake (4 to 64) with other bytes of the same size:
     one byte of the block flipped, all of it random, or a byte of the header changed. Done by a Mooncake
     client in a process of its own (it lends nothing; its log goes to ``log``, not into the report)."""
     import json
@@ -293,7 +293,8 @@ def g4_damage(cluster, rng: random.Random, log: Path) -> str:
     done = json.loads(out.stdout or b"[]") if out.returncode == 0 else []
     if out.returncode:
         raise RuntimeError(f"the G4 damage client exited with {out.returncode} (see {log})")
-    return f"{len(done)} objects ({', '.join(done)})" if done else ""
+    kinds = {how: done.count(how) for how in sorted(set(done))}
+    return f"{len(done)} objects ({', '.join(f'{n} {how}' for how, n in kinds.items())})" if done else ""
 
 
 def _g4_damage_main(master: str, metadata: str, admin: str, seed: str) -> None:
@@ -310,7 +311,7 @@ def _g4_damage_main(master: str, metadata: str, admin: str, seed: str) -> None:
         client = MooncakeDistributedStore()
         if client.setup("127.0.0.1", metadata, 0, 16 << 20, "tcp", "", master) != 0:
             raise SystemExit(2)
-        for key in rng.sample(keys, min(max(4, len(keys) // 10), len(keys))):
+        for key in rng.sample(keys, min(max(4, len(keys) // 20), 64, len(keys))):
             data = client.get(key)
             if not data:
                 continue
