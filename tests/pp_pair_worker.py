@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 from conftest import GatedExecutor, Stack  # noqa: E402
-from tp_pair_worker import admit, race_on  # noqa: E402
+from tp_pair_worker import admit, disagree_on, race_on  # noqa: E402
 
 SIZE, PAGE, LAYERS = 64, 4, 2
 
@@ -51,21 +51,7 @@ def build(stage: int, group, disk_dir: str, executor=None) -> Stack:
 def disagree(stage, group, root):
     """Stage 1's tiers lost the last 3 of 8 pages: both stages must load the 5 both hold, or neither."""
     stack = build(stage, group, f"{root}/disagree")
-    tokens = list(range(100, 132))
-    written = stack.insert(tokens, seed=1 + 1000 * stage)  # each stage's own layers' KV
-    stack.settle()
-    stack.evict_all()
-    ids = stack.block_ids(tokens)
-    if stage == 1:
-        stack.manager.host.remove(ids[5:])
-        stack.manager.disk.invalidate(ids[5:], reason="test")
-    local = stack.linker.connector.peek(ids)
-    got = admit(stack, tokens + [7], "r")
-    result = {"local_hit": local, **got, "written": [w.tolist() for w in written],
-              "disk_dir": str(stack.manager.disk.directory), "start_layer": stack.kvcache.start_layer,
-              "events": len(stack.tree.take_events())}
-    stack.cache.close()
-    return result
+    return disagree_on(stack, stage, start_layer=stack.kvcache.start_layer)
 
 
 def staging_race(stage, group, root):

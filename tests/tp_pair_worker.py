@@ -78,9 +78,13 @@ def on_disk_only(stack: Stack, tokens, rank: int) -> list:
 
 def disagree(rank, group, root):
     """Rank 1's tiers lost the last 3 pages: SGLang's intersection makes both load the 5 both hold."""
-    stack = build(rank, group, f"{root}/disagree")
+    return disagree_on(build(rank, group, f"{root}/disagree"), rank)
+
+
+def disagree_on(stack, rank, **extra):
+    """8 pages stored on every rank (or stage), the last 3 lost on rank 1; what each then loads."""
     tokens = list(range(100, 132))  # 8 pages
-    written = stack.insert(tokens, seed=1 + 1000 * rank)
+    written = stack.insert(tokens, seed=1 + 1000 * rank)  # each rank's own shard (each stage's own layers)
     stack.settle()
     stack.evict_all()
     ids = stack.block_ids(tokens)
@@ -90,7 +94,7 @@ def disagree(rank, group, root):
     local = stack.linker.connector.peek(ids)
     got = admit(stack, tokens + [7], "r")
     result = {"local_hit": local, **got, "written": [w.tolist() for w in written],
-              "disk_dir": str(stack.manager.disk.directory), "events": len(stack.tree.take_events())}
+              "disk_dir": str(stack.manager.disk.directory), **extra, "events": len(stack.tree.take_events())}
     stack.cache.close()
     return result
 

@@ -102,10 +102,11 @@ def describe_pools(params, components=()) -> PoolGroup:
     kv, shape = _kv_layout(full, full_ids, start, num_layers, drafts, page)
     if swa_ids:
         window = -(-params.swa_retain_window // page)
-        swa = _on_layers(pool_buffers(kvcache.swa_kv_pool, page), swa_ids, start, num_layers, page)
+        swa_parts = pool_buffers(kvcache.swa_kv_pool, page)
+        swa = _on_layers(swa_parts, swa_ids, start, num_layers, page)
         sidecars.append(Sidecar(SWA, swa, window))
         shape.update(swa_bytes=swa.buffer_page_bytes, swa_window=window,
-                     swa_dtypes=_dtypes(pool_buffers(kvcache.swa_kv_pool, page).buffers))
+                     swa_dtypes=_dtypes(swa_parts.buffers))
     if ComponentType.MAMBA in components:
         mamba, mamba_dtypes = _mamba_layout(params, num_layers)
         sidecars.append(Sidecar(MAMBA, mamba, 1, share=1 / max(1, MAMBA_STATE_TOKENS // page)))
