@@ -48,8 +48,8 @@ import time
 from pathlib import Path
 
 import chaos_selfcheck
-from chaos_faults import WARM_UP, Worker
 from chaos_run import ChaosPass, Tally, reference_pass
+from chaos_worker import WARM_UP, Worker
 from chaos_workload import build
 from common import mean, out_dir, pct, scratch_dir, table
 from sglang_kvbm.testing.model import CHAOS, make_model
