@@ -715,3 +715,12 @@ def test_writes_lost_below_the_filesystem_are_caught_on_read(eio_filesystem, cap
         assert not any(disk.registered(hashes[h]) for h in removed)
     finally:
         stack.cache.close()
+
+
+def test_stats_give_the_disk_slot_size_while_the_disk_tier_is_empty(stack_factory, tmp_path):
+    """``/stats`` block sizes: an empty disk tier is still a disk tier (it has a length of 0, not None)."""
+    from sglang_kvbm.integration.sglang.endpoint import stats_of
+
+    stack = disk_stack(stack_factory, tmp_path)
+    assert len(stack.manager.disk) == 0
+    assert stats_of(stack.linker)["block_bytes"]["disk"] == stack.manager.disk.slot_bytes > 0

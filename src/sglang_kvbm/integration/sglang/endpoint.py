@@ -30,7 +30,7 @@ def stats_of(linker: "KvbmLinker") -> dict:
         "in_flight": len(manager.in_flight()) + sum(len(m.in_flight()) for m in sidecars.values()),
         "events": {"held": linker.orderer.held(), "held_total": linker.orderer.held_total, "dropped": linker.orderer.dropped},
         "offloads_refused_outside_insert": linker.offloads_refused_outside_insert,
-        "block_bytes": {"host": linker.layout.block_bytes, "disk": manager.disk.slot_bytes if manager.disk else 0},
+        "block_bytes": {"host": linker.layout.block_bytes, "disk": manager.disk.slot_bytes if manager.disk is not None else 0},
     }
     if sidecars:  # hybrid models: each sidecar pool's tiers (sliding-window pages, Mamba states), by pool
         extra["sidecars"] = {name: {"tiers": {c.tier.name.lower(): (c.blocks, c.capacity) for c in m.counts()},
