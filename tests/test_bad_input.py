@@ -26,7 +26,12 @@ BAD = {
     "_gib_or_zero": ["four", "-1", "nan", "inf"],
     "_identity_name": ["my model", "v1;rm", "x" * 129, "caf\u00e9"],
     "_file_path": ["/tmp/a\x00b"],
+    "_wait_ms": ["-1", "30001", "nan", "inf", "soon"],
 }
+# Variables of other programs that break a setting of ours: (variable, value, our settings it breaks).
+G4_HTTP = {"DYN_KVBM_CPU_CACHE_GB": "1", "SGLANG_KVBM_MOONCAKE_MASTER": "127.0.0.1:50051",
+           "SGLANG_KVBM_MOONCAKE_METADATA": "http://127.0.0.1:8080/metadata"}
+FOREIGN = [("MC_LEGACY_RPC_PORT_BINDING", value, G4_HTTP) for value in ("1", "0", "", "true")]  # Mooncake: present = on
 CASES = [(var, value) for var in _VARS for value in BAD[var.parse.__name__] if value != "" or var.parse.__name__ == "_host"]
 
 
@@ -36,6 +41,23 @@ def test_bad_environment_value_names_the_variable(var, value):
         pytest.skip("an empty variable means unset")
     with pytest.raises(ConfigError, match=var.env):
         KvbmConfig.from_env({var.env: value})
+
+
+@pytest.mark.parametrize("name, value, settings", FOREIGN, ids=[f"{n}={x!r}" for n, x, _ in FOREIGN])
+def test_a_foreign_variable_that_breaks_a_setting_fails_at_start_up(name, value, settings):
+    """From the environment, and with the setting it breaks turned on by --kvbm-config."""
+    with pytest.raises(ConfigError, match=name) as err:
+        KvbmConfig.from_env({**settings, name: value})
+    assert FIX.search(str(err.value)) and f"unset {name}" in str(err.value)
+    with pytest.raises(ConfigError, match=name):
+        KvbmConfig.from_sources({name: value}, json.dumps(settings))
+
+
+def test_legacy_rpc_port_binding_is_harmless_without_g4_or_with_p2phandshake():
+    """Measured: with P2PHANDSHAKE the client's setup works with it set; without G4 nothing reads it."""
+    assert KvbmConfig.from_env({"MC_LEGACY_RPC_PORT_BINDING": "1", "DYN_KVBM_CPU_CACHE_GB": "1"}).cpu_cache_gb == 1
+    p2p = {**G4_HTTP, "SGLANG_KVBM_MOONCAKE_METADATA": "P2PHANDSHAKE", "MC_LEGACY_RPC_PORT_BINDING": "1"}
+    assert KvbmConfig.from_env(p2p).mooncake_metadata == "P2PHANDSHAKE"
 
 
 @pytest.mark.parametrize("var, value", CASES, ids=[f"{v.field}={x!r}" for v, x in CASES])
@@ -85,6 +107,10 @@ def test_print_the_table(capsys):
             assert source in str(err.value), row
             assert FIX.search(str(err.value)), f"no fix in: {row}"
             lines.append(row)
+    for name, value, settings in FOREIGN:
+        with pytest.raises(ConfigError) as err:
+            KvbmConfig.from_env({**settings, name: value})
+        lines.append(f"{name}={value!r} (with {', '.join(settings)}) -> {err.value}")
     assert len(lines) >= 2 * len(_VARS)
     print("\n".join(lines))
 

@@ -1,6 +1,7 @@
 """``sglang-kvbm doctor`` on a good set-up and on broken ones, as a person runs it."""
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -178,7 +179,85 @@ def test_g4_master_that_answers_and_one_that_does_not(tmp_path):
     with MooncakeCluster(tmp_path, lend="") as cluster:
         env = {**base, "SGLANG_KVBM_MOONCAKE_MASTER": cluster.master_address,
                "SGLANG_KVBM_MOONCAKE_METADATA": cluster.metadata_url}
-        assert rows(env)["G4 (Mooncake)"] == ("ok", f"master {cluster.master_address} and metadata server answer")
+        assert rows(env)["G4 (Mooncake)"] == ("ok", f"master {cluster.master_address} answers (P2PHANDSHAKE: no "
+                                              "metadata server)")
     nobody = f"127.0.0.1:{free_port()}"
     status, detail = rows({**env, "SGLANG_KVBM_MOONCAKE_MASTER": nobody})["G4 (Mooncake)"]
     assert status == "warn" and nobody in detail and "starts without G4" in detail
+
+
+# --- what listens where (G4): bound addresses read from /proc, against a live master and real sockets -----------
+
+G4 = {"DYN_KVBM_CPU_CACHE_GB": "1"}
+
+
+def listening_socket(host: str) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.bind((host, 0))
+    sock.listen()
+    return sock
+
+
+def test_g4_listeners_of_a_master_bound_to_loopback(tmp_path):
+    from sglang_kvbm.testing.mooncake import MooncakeCluster
+
+    with MooncakeCluster(tmp_path, lend="") as cluster:
+        found = rows({**G4, "SGLANG_KVBM_MOONCAKE_MASTER": cluster.master_address,
+                      "SGLANG_KVBM_MOONCAKE_METADATA": cluster.metadata_url})
+    assert found["G4 master RPC"] == ("ok", f"listens on 127.0.0.1:{cluster.rpc_port} only")
+    assert found["G4 master metrics"] == ("ok", f"listens on 127.0.0.1:{cluster.admin_port} only")  # its --metrics_port
+    assert found["G4 metadata"][0] == "ok" and "P2PHANDSHAKE: no metadata server" in found["G4 metadata"][1]
+    status, detail = found["G4 transfer ports"]
+    assert status == "info" and "2 ports" in detail and "15000-17000" in detail and "firewall" in detail
+    assert "G4 transfer port range" not in found
+
+
+def test_g4_metadata_server_on_every_address_is_a_warning_with_the_fix(tmp_path):
+    from sglang_kvbm.testing.mooncake import MooncakeCluster
+
+    with MooncakeCluster(tmp_path, lend="") as cluster, listening_socket("0.0.0.0") as everywhere, \
+            listening_socket("127.0.0.1") as loopback:
+        env = {**G4, "SGLANG_KVBM_MOONCAKE_MASTER": cluster.master_address}
+        port, local = everywhere.getsockname()[1], loopback.getsockname()[1]
+        wide = rows({**env, "SGLANG_KVBM_MOONCAKE_METADATA": f"http://127.0.0.1:{port}/metadata"})
+        narrow = rows({**env, "SGLANG_KVBM_MOONCAKE_METADATA": f"http://localhost:{local}/metadata"})
+    status, detail = wide["G4 metadata"]
+    assert status == "warn" and f"0.0.0.0:{port}" in detail and f"firewall port {port}" in detail
+    assert "P2PHANDSHAKE" in detail and "mooncake_http_metadata_server --host=127.0.0.1" in detail
+    assert wide["G4 (Mooncake)"] == ("ok", f"master {cluster.master_address} and metadata server answer")
+    assert narrow["G4 metadata"] == ("ok", f"listens on 127.0.0.1:{local} only")
+
+
+def test_g4_master_rpc_on_every_address_is_a_warning():
+    with listening_socket("0.0.0.0") as master:  # what --rpc_address's default binds
+        port = master.getsockname()[1]
+        status, detail = rows({**G4, "SGLANG_KVBM_MOONCAKE_MASTER": f"127.0.0.1:{port}",
+                               "SGLANG_KVBM_MOONCAKE_METADATA": "P2PHANDSHAKE"})["G4 master RPC"]
+    assert status == "warn" and f"0.0.0.0:{port}" in detail and "--rpc_address=127.0.0.1" in detail
+
+
+@pytest.mark.parametrize("low, high, why", [("40000", "40010", "falls back to 15000-17000"),
+                                            ("17000", "16000", "falls back"), ("abc", None, "falls back"),
+                                            ("62000", "62000", "holds 1 port")])
+def test_g4_transfer_port_range_that_mooncake_refuses_or_too_small_warns(low, high, why):
+    from sglang_kvbm.testing.server import free_port
+
+    env = {**G4, "SGLANG_KVBM_MOONCAKE_MASTER": f"127.0.0.1:{free_port()}",
+           "SGLANG_KVBM_MOONCAKE_METADATA": "P2PHANDSHAKE", "MC_MIN_RPC_PORT": low}
+    if high is not None:
+        env["MC_MAX_RPC_PORT"] = high
+    found = rows(env)
+    status, detail = found["G4 transfer port range"]
+    assert status == "warn" and why in detail and "MC_MIN_RPC_PORT" in detail
+    assert found["G4 master RPC"][0] == "info"  # nobody listens there: said, and the reachability row warns
+    good = rows({**env, "MC_MIN_RPC_PORT": "62000", "MC_MAX_RPC_PORT": "62099"})
+    assert "G4 transfer port range" not in good and "62000-62099" in good["G4 transfer ports"][1]
+
+
+@pytest.mark.parametrize("value", ["1", "0", ""])
+def test_g4_with_legacy_rpc_port_binding_is_a_problem(value):
+    env = {**G4, "SGLANG_KVBM_MOONCAKE_MASTER": "127.0.0.1:50051", "MC_LEGACY_RPC_PORT_BINDING": value,
+           "SGLANG_KVBM_MOONCAKE_METADATA": "http://127.0.0.1:8080/metadata"}
+    status, detail = rows(env)["configuration"]
+    assert status == "FAIL" and "MC_LEGACY_RPC_PORT_BINDING" in detail and "unset MC_LEGACY_RPC_PORT_BINDING" in detail

@@ -9,11 +9,14 @@ once, and never raises.
 
 from __future__ import annotations
 
+import logging
+import re
 import time
 
 import pytest
 import torch
 
+from sglang_kvbm.backends.mooncake import listeners
 from sglang_kvbm.backends.mooncake.store import G4Settings, G4Store, key_prefix, object_suffix
 from sglang_kvbm.core.ports import BlockMeta, EventIdentity
 from sglang_kvbm.kv_layout import aligned_empty
@@ -124,3 +127,31 @@ def test_a_write_goes_under_the_identity_it_names_and_a_closed_store_stays_close
     assert old.read(["p0"])[0] is not None and torch.equal(old.rows[0], expected(1))  # named and signed as IDENTITY
     a.store.close()
     assert not a.store.connected and a.store.contains(["p0"], IDENTITY) == [False] and not a.store.connected
+
+
+def test_connect_logs_the_listeners_the_client_opened_and_where(cluster, caplog):
+    """Mooncake binds a client's two transfer listeners to every address: each connect says which they are."""
+    caplog.set_level(logging.INFO, logger="sglang_kvbm.backends.mooncake.store")
+    before = listeners.own_listeners()
+    worker = Worker(cluster)  # kept: a client dropped closes its listeners
+    lines = [r.getMessage() for r in caplog.records if "G4 client listens on" in r.getMessage()]
+    assert len(lines) == 1, lines
+    found = re.fullmatch(r"kvbm: G4 client listens on 0\.0\.0\.0:(\d+) \(transfer RPC\) and \[::\]:(\d+) \(TCP data\), "
+                         r"on every address; Mooncake cannot bind them to one address: firewall "
+                         r"MC_MIN_RPC_PORT\.\.MC_MAX_RPC_PORT \(15000-17000\)", lines[0])
+    assert found, lines[0]
+    rpc, data = map(int, found.groups())
+    assert all(15000 <= port <= 17000 for port in (rpc, data))
+    assert listeners.own_listeners() - before == {listeners.Listener("0.0.0.0", rpc), listeners.Listener("::", data)}
+    worker.store.close()
+
+
+def test_connect_never_fails_for_its_log_line(cluster, caplog, monkeypatch):
+    def broken():
+        raise OSError("no /proc here")
+
+    monkeypatch.setattr(listeners, "own_listeners", broken)
+    caplog.set_level(logging.INFO, logger="sglang_kvbm.backends.mooncake.store")
+    worker = Worker(cluster)  # asserts connect() is True
+    assert worker.write({"p0": 1}) == [True]
+    assert not [r for r in caplog.records if "G4 client listens on" in r.getMessage()]

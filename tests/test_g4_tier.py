@@ -34,14 +34,16 @@ def worker(stack_factory, cluster, model="tiny-a", config=None, **kwargs):
     return stack_factory(host_blocks=32, identity=Identity(model_path=model), config=config, **kwargs)
 
 
-def g4_written(stack, n: int, timeout: float = 20.0) -> None:
+def g4_written(stack, n: int, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while stack.manager.g4_writes.written < n:
         assert time.monotonic() < deadline, "G4 write-through did not finish"
         stack.settle()
         stack.manager.poll()
+        time.sleep(0.05)
 
 
+@pytest.mark.usefixtures("loads_wait_for_their_reads")
 def test_a_prefix_stored_by_one_worker_loads_on_another_from_g4(stack_factory, cluster):
     a, b = worker(stack_factory, cluster), worker(stack_factory, cluster)
     written = a.insert(TOKENS, seed=3)
@@ -53,6 +55,7 @@ def test_a_prefix_stored_by_one_worker_loads_on_another_from_g4(stack_factory, c
     assert b.linker.connector.stats.onboard_blocks_d2d == len(TOKENS) // b.page_size  # reported as storage hits
 
 
+@pytest.mark.usefixtures("loads_wait_for_their_reads")
 def test_another_identity_and_a_damaged_object_are_misses(stack_factory, cluster):
     a = worker(stack_factory, cluster)
     a.insert(TOKENS, seed=3)
@@ -64,10 +67,13 @@ def test_another_identity_and_a_damaged_object_are_misses(stack_factory, cluster
     b = worker(stack_factory, cluster)
     ids = b.block_ids(TOKENS)
     client = a.manager.g4._client
-    client.upsert(a.manager.g4.key(ids[2]), bytes(a.manager.g4.header_bytes + a.layout.block_bytes))  # page 2 zeroed
+    damaged = a.manager.g4.key(ids[2])
+    client.upsert(damaged, bytes(a.manager.g4.header_bytes + a.layout.block_bytes))  # page 2 zeroed
     req, match, loaded, slots, _ = b.admit(TOKENS + [1], "damaged")
     assert loaded == 2 * b.page_size  # pages 0 and 1; page 2 failed verification, the rest recomputes
     assert b.manager.g4.stats["rejected"] == 1
+    # and it is gone from the store (a put keeps an existing key: left there it would stay a miss for everyone)
+    assert b.manager.g4.stats["removed"] == 1 and client.is_exist(damaged) == 0
     assert b.finish(req)
     b.allocator.free(slots)
 
@@ -85,10 +91,14 @@ def test_a_lost_master_makes_lookups_misses_without_stalling_the_scheduler(stack
         _, match, loaded, slots, _ = b.admit(TOKENS[: 4 * (i + 2)] + [1], f"r{i}")
         waits.append(time.monotonic() - started)
         assert loaded == 0
-    assert max(waits) < 1.5, waits  # the first waits at most its budget; then G4 is stalled/down: no wait at all
-    assert sum(waits[2:]) < 0.5, waits
+    # The first waits at most its budget (0.5 s), then G4 is down: no Mooncake call, no wait. Bounds with
+    # room for a busy machine; a stall on the lost master would be Mooncake's RPC timeout, seconds per call.
+    assert b.manager.g4.down and b.manager.g4.stats["down"] >= 1, b.manager.g4.stats
+    assert max(waits) < 5, waits
+    assert sum(waits[2:]) < 2, waits
 
 
+@pytest.mark.usefixtures("loads_wait_for_their_reads")
 def test_with_the_frequency_filter_only_reused_blocks_are_shared(stack_factory, cluster):
     """SGLANG_KVBM_MOONCAKE_OFFLOAD_FILTER: KVBM's filter, as for disk: a one-shot prompt is not written to G4."""
     a = worker(stack_factory, cluster, config={"mooncake_offload_filter": True})

@@ -29,11 +29,13 @@ from sglang_kvbm.config_values import (  # ConfigError: everyone imports it from
     _host,
     _identity_name,
     _metadata_url,
+    _mooncake_environment,
     _port,
     _positive_float,
     _positive_int,
     _priority,
     _protocol,
+    _wait_ms,
 )
 
 logger = logging.getLogger(__name__)
@@ -102,6 +104,9 @@ _VARS: tuple[_Var, ...] = (
         _priority,
         "requests below this priority (0-100) are not offloaded to host",
     ),
+    _Var("SGLANG_KVBM_LOAD_WAIT_MS", "load_wait_ms", _wait_ms,
+         "the least a load waits for its own disk and G4 reads before the request recomputes them (default 50 ms, "
+         "plus 3x what the read meter expects; a first G4 read 500)"),
     _Var(
         "DYN_KVBM_CACHE_STATS_MAX_REQUESTS",
         "cache_stats_max_requests",
@@ -111,7 +116,7 @@ _VARS: tuple[_Var, ...] = (
     _Var("SGLANG_KVBM_MOONCAKE_MASTER", "mooncake_master", _address,
          "Mooncake master host:port; setting it turns on the tier shared by every worker (G4)", text=True),
     _Var("SGLANG_KVBM_MOONCAKE_METADATA", "mooncake_metadata", _metadata_url,
-         "Mooncake's metadata server URL (the master's own: --enable_http_metadata_server)", text=True),
+         "P2PHANDSHAKE (no metadata server), or a Mooncake metadata server's URL", text=True),
     _Var("SGLANG_KVBM_MOONCAKE_PROTOCOL", "mooncake_protocol", _protocol, "tcp (default) or rdma", text=True),
     _Var("SGLANG_KVBM_MOONCAKE_SEGMENT_GB", "mooncake_segment_gb", _gib_or_zero,
          "memory this worker lends the store (default 0: a standalone store process lends it)"),
@@ -193,6 +198,7 @@ class KvbmConfig:
     router_block_size: Optional[int] = None
     host_offload_min_priority: int = 0
     cache_stats_max_requests: int = 1000
+    load_wait_ms: Optional[float] = None
     mooncake_master: Optional[str] = None
     mooncake_metadata: Optional[str] = None
     mooncake_protocol: str = "tcp"
@@ -223,7 +229,7 @@ class KvbmConfig:
             if raw.strip() == "":
                 continue
             values[var.field] = var.parse(name, raw.strip())
-        return cls(**values)
+        return cls(**values)._checked(environ)
 
     @classmethod
     def from_sources(cls, environ: Optional[Mapping[str, str]] = None, json_text: Optional[str] = None) -> "KvbmConfig":
@@ -254,7 +260,12 @@ class KvbmConfig:
                 )
             given[var.field] = key
             values[var.field] = var.parse(JsonKey(key), _json_text(var, key, raw))
-        return dataclasses.replace(config, **values)
+        return dataclasses.replace(config, **values)._checked(os.environ if environ is None else environ)
+
+    def _checked(self, environ: Mapping[str, str]) -> "KvbmConfig":  # Mooncake's own variables that break G4
+        if self.has_g4:
+            _mooncake_environment(environ, self.mooncake_metadata)
+        return self
 
     def host_blocks(self, block_bytes: int) -> int:
         """Blocks in the host tier for blocks of ``block_bytes`` (0 when the tier is off)."""
@@ -285,9 +296,9 @@ class KvbmConfig:
             )
         if self.has_g4 and self.mooncake_metadata is None:
             raise ConfigError(
-                "SGLANG_KVBM_MOONCAKE_MASTER is set but SGLANG_KVBM_MOONCAKE_METADATA is not: set it to the "
-                "metadata server's URL, e.g. http://<master host>:8080/metadata (mooncake_master "
-                "--enable_http_metadata_server=true serves one)"
+                "SGLANG_KVBM_MOONCAKE_MASTER is set but SGLANG_KVBM_MOONCAKE_METADATA is not: set it to P2PHANDSHAKE "
+                "(clients find each other, no metadata server), or to a metadata server's URL, e.g. "
+                "http://<host>:8080/metadata"
             )
         if not self.has_host and not self.has_disk:
             raise ConfigError(

@@ -51,6 +51,19 @@ def _positive_float(name: str, raw: str) -> float:
     return value
 
 
+def _wait_ms(name: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number: set it to milliseconds, e.g. {_eg(name, 50)}") from None
+    if not math.isfinite(value) or not 0 <= value <= 30_000:
+        raise ConfigError(
+            f"{name}={raw!r} must be 0-30000 milliseconds (a load never waits longer than 30 s): set it to one, "
+            f"e.g. {_eg(name, 50)}, or {_unset(name)} for the default (50)"
+        )
+    return value
+
+
 def _positive_int(name: str, raw: str) -> int:
     try:
         value = int(raw, 10)
@@ -176,3 +189,16 @@ def _file_path(name: str, raw: str) -> str:
     if "\x00" in raw or not raw:
         raise ConfigError(f"{name}={raw!r} is not a file path: set it to one, or {_unset(name)} for the default")
     return os.path.abspath(os.path.expanduser(raw))
+
+
+def _mooncake_environment(environ, metadata) -> None:
+    """What in Mooncake's own environment breaks G4 (checked only with G4 on): ``MC_LEGACY_RPC_PORT_BINDING``
+    (any value: Mooncake only asks whether it is there) with a metadata server URL makes the client take its
+    transfer RPC port from its local hostname, which carries none, so every ``setup`` fails (rc -1 after ~2 s,
+    measured with Mooncake 0.3.13.post1). With ``P2PHANDSHAKE`` it changes nothing (measured)."""
+    if "MC_LEGACY_RPC_PORT_BINDING" in environ and metadata != "P2PHANDSHAKE":
+        raise ConfigError(
+            f"MC_LEGACY_RPC_PORT_BINDING={environ['MC_LEGACY_RPC_PORT_BINDING']!r} is set (any value turns it on, "
+            "0 too) with G4 on (SGLANG_KVBM_MOONCAKE_MASTER) and a metadata server: Mooncake then takes the "
+            "client's transfer RPC port from its local hostname, which has none, and G4's setup fails every time: "
+            "unset MC_LEGACY_RPC_PORT_BINDING (or use SGLANG_KVBM_MOONCAKE_METADATA=P2PHANDSHAKE)")

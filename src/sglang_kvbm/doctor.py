@@ -3,7 +3,8 @@
 One table a person reads: versions, CUDA, the backend (``local``, the only one
 today), every ``DYN_KVBM_*`` value, host memory and disk space against the
 configured tiers, and the disk directory probed the way the server will probe
-it. Exit status 1 on a problem.
+it; with G4 on, whether Mooncake's master answers and what listens where
+(:mod:`sglang_kvbm.doctor_g4`). Exit status 1 on a problem.
 
 A tier sized in blocks (``DYN_KVBM_*_OVERRIDE_NUM_BLOCKS``) needs blocks times
 the block size, which depends on the model and the page size, and the doctor
@@ -176,25 +177,6 @@ def _disk(rows: list[Row], config: KvbmConfig, need: _Need) -> None:
         rows.append(Row("disk NIXL", "FAIL", "the disk tier needs NIXL: pip install 'sglang-kvbm[disk]'"))
 
 
-def _g4(rows: list[Row], config: KvbmConfig) -> None:
-    """The shared tier: Mooncake's client loads (it needs libibverbs1) and its master answers."""
-    try:
-        import mooncake.store  # noqa: F401
-    except ImportError as exc:
-        fix = ("apt-get install libibverbs1" if "ibverbs" in str(exc)
-               else "pip install 'sglang-kvbm[mooncake]' (or [mooncake-cuda])")
-        rows.append(Row("G4 (Mooncake)", "FAIL", f"the Mooncake client does not load ({exc}): {fix}"))
-        return
-    from sglang_kvbm.backends.mooncake.probe import unreachable_endpoints
-
-    down = unreachable_endpoints(config.mooncake_master, config.mooncake_metadata or "")
-    if down:
-        rows.append(Row("G4 (Mooncake)", "warn", f"{', '.join(down)} did not accept a connection: the server starts "
-                        "without G4 and retries (start mooncake_master, or fix SGLANG_KVBM_MOONCAKE_MASTER/_METADATA)"))
-    else:
-        rows.append(Row("G4 (Mooncake)", "ok", f"master {config.mooncake_master} and metadata server answer"))
-
-
 def diagnose(environ=None, *, block_bytes: Optional[int] = None, page_size: Optional[int] = None) -> list[Row]:
     """The table's rows; ``block_bytes`` and ``page_size`` are those of the server, when known."""
     environ = os.environ if environ is None else environ
@@ -211,7 +193,9 @@ def diagnose(environ=None, *, block_bytes: Optional[int] = None, page_size: Opti
     rows.append(Row("backend", "ok", "local (host memory and disk through NIXL; events on SGLang's stream)"))
     _tiers(rows, config, block_bytes, page_size)
     if config.has_g4:
-        _g4(rows, config)
+        from sglang_kvbm.doctor_g4 import g4_rows
+
+        g4_rows(rows, config, environ)
     if config.metrics:
         rows.append(Row("metrics", "ok", f"http://{config.http_host}:{config.metrics_port}/metrics"))
     return rows

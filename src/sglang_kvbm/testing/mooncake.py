@@ -4,10 +4,14 @@
 binaries; they need the system library ``libibverbs1``. The master keeps every
 object's metadata in its memory (a restart forgets them all); objects live in
 the segments clients lend, so the lender here (``mooncake_client``, Mooncake's
-standalone "real client") keeps them when a worker leaves. Known leaks past
-127.0.0.1 (Mooncake 0.3.13): the master's HTTP metadata server and every
-client's transfer ports listen on all addresses; ``MC_TCP_BIND_ADDRESS`` only
-makes clients advertise 127.0.0.1.
+standalone "real client") keeps them when a worker leaves.
+
+No metadata server: clients find each other by ``P2PHANDSHAKE`` (the master's
+embedded HTTP metadata server binds 0.0.0.0 whatever its host flag says). So the
+master listens on 127.0.0.1 only, and the one leak past it (Mooncake 0.3.13) is
+every client's two transfer listeners (the lender's and each worker's: 0.0.0.0
+and ``[::]``, in ``MC_MIN_RPC_PORT``..``MC_MAX_RPC_PORT``), which Mooncake cannot
+bind to one address; ``MC_TCP_BIND_ADDRESS`` only makes clients advertise 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -35,11 +39,11 @@ def binary(name: str) -> Path:
 
 
 class MooncakeCluster:
-    """A master (with its HTTP metadata server) and, unless ``lend`` is 0, one memory lender."""
+    """A master (RPC and metrics on 127.0.0.1, no metadata server) and, unless ``lend`` is 0, one memory lender."""
 
     def __init__(self, log_dir: Path, *, lend: str = "256MB") -> None:
         self.log_dir = Path(log_dir)
-        self.rpc_port, self.metadata_port, self.admin_port = free_port(), free_port(), free_port()
+        self.rpc_port, self.admin_port = free_port(), free_port()
         self.lend = lend
         self.master: Optional[subprocess.Popen] = None
         self.lender: Optional[subprocess.Popen] = None
@@ -52,7 +56,8 @@ class MooncakeCluster:
 
     @property
     def metadata_url(self) -> str:
-        return f"http://127.0.0.1:{self.metadata_port}/metadata"
+        """What clients are given as the metadata server: none, they handshake with each other."""
+        return "P2PHANDSHAKE"
 
     def _spawn(self, args: list, name: str) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "ab")
@@ -65,9 +70,7 @@ class MooncakeCluster:
     def start_master(self, timeout: float = 30.0) -> None:
         self.master = self._spawn([
             str(binary("mooncake_master")), f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
-            "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-            f"--http_metadata_server_port={self.metadata_port}", "--metrics_host=127.0.0.1",
-            f"--metrics_port={self.admin_port}", "--enable_metric_reporting=false",
+            "--metrics_host=127.0.0.1", f"--metrics_port={self.admin_port}", "--enable_metric_reporting=false",
         ], "master")
         self._wait(lambda: requests.get(f"http://127.0.0.1:{self.admin_port}/health", timeout=1).ok, timeout, "master")
 

@@ -61,8 +61,11 @@ def _run(flags: list) -> int:
 
 class TierReads:
     def __init__(self, layout, host, disk, staging, policy, stats, offer_reused: Optional[Callable], load_timeout: float,
-                 generation: Callable[[], int]):
+                 generation: Callable[[], int], wait_floor: Optional[float] = None):
+        """``wait_floor`` (``SGLANG_KVBM_LOAD_WAIT_MS``) replaces :data:`WAIT_FLOOR_S`, and raises
+        :data:`G4_FIRST_WAIT_S` to it where it is longer."""
         self._layout = layout
+        self._wait_floor = wait_floor
         self._host, self._disk, self._staging = host, disk, staging
         self._policy = policy
         self._stats = stats
@@ -140,7 +143,7 @@ class TierReads:
         futures = staging.fetch_g4(block_ids[hit:], keep=block_ids[:hit])
         if futures:
             estimate = staging.g4_meter.estimate(len(block_ids[hit:]) * staging.slot_bytes)
-            budget = G4_FIRST_WAIT_S if estimate is None else WAIT_SLACK * estimate + WAIT_FLOOR_S
+            budget = self._first_g4_wait() if estimate is None else WAIT_SLACK * estimate + self._floor()
             done, _ = wait(futures, timeout=min(budget, self._load_timeout))
             if len(done) < len(futures):
                 self._stats.g4_waits_expired += 1
@@ -182,8 +185,14 @@ class TierReads:
         meter = self._policy.read if self._policy is not None else self._staging.g4_meter
         estimate = meter.estimate(pending + self._staging.job_blocks * self._staging.slot_bytes)
         if estimate is None:  # the disk's meter is seeded by its probe: this is a G4 read nothing was learnt of yet
-            return min(self._load_timeout, G4_FIRST_WAIT_S)
-        return min(self._load_timeout, WAIT_SLACK * estimate + WAIT_FLOOR_S)
+            return min(self._load_timeout, self._first_g4_wait())
+        return min(self._load_timeout, WAIT_SLACK * estimate + self._floor())
+
+    def _floor(self) -> float:
+        return WAIT_FLOOR_S if self._wait_floor is None else self._wait_floor
+
+    def _first_g4_wait(self) -> float:
+        return G4_FIRST_WAIT_S if self._wait_floor is None else max(G4_FIRST_WAIT_S, self._wait_floor)
 
     def release(self, plan: LoadPlan, *, reused: bool = True) -> None:
         """The copies of a load are over: unpin; a host hit is a reuse the disk filter counts.

@@ -63,13 +63,15 @@ class LocalBlockManager:
         writer: Optional[LaneExecutor] = None,
         reader: Optional[LaneExecutor] = None,
         load_timeout: float = 30.0,
+        wait_floor: Optional[float] = None,
         g4=None,
         g4_filter: Optional[FrequencyFilter] = None,
     ) -> None:
         """``executor``, ``writer`` and ``reader`` (tests) replace the device -> host worker and the disk threads.
 
         ``load_timeout`` caps how long a load waits for its own disk reads (the
-        read meter's estimate for them usually ends the wait much sooner).
+        read meter's estimate for them usually ends the wait much sooner); ``wait_floor``
+        (seconds) is the least it waits for them (``lookups.WAIT_FLOOR_S`` if None).
         """
         if host_blocks < 0 or (host_blocks == 0 and disk is None):
             raise ValueError(f"need a host tier (host_blocks={host_blocks}) or a disk tier")
@@ -103,7 +105,7 @@ class LocalBlockManager:
                                        g4_found=self.g4_writes.learn if g4 is not None else lambda ids: None)
         self.reads = TierReads(layout, self.host, disk, self.staging, policy, self.stats,
                                self._offer_reused if disk is not None or g4 is not None else None, load_timeout,
-                               lambda: self.offloads.generation)
+                               lambda: self.offloads.generation, wait_floor)
         if disk is not None and len(disk):
             self._announce_restored(disk.registered_metas())
 

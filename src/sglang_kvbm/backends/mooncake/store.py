@@ -53,6 +53,7 @@ from sglang_kvbm.backends.local.disk.format import (
     encode_header,
     header_bytes_for,
 )
+from sglang_kvbm.backends.mooncake import listeners
 from sglang_kvbm.backends.mooncake.probe import unreachable_endpoints
 from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.ports import BlockMeta
@@ -66,7 +67,7 @@ TAG_PREFIX = "kvbm-"  # every tag this library writes under starts so (the event
 @dataclasses.dataclass(frozen=True)
 class G4Settings:
     master: str  # host:port of mooncake_master's RPC
-    metadata: str  # the metadata server's URL (the master's own, with --enable_http_metadata_server)
+    metadata: str  # P2PHANDSHAKE (no metadata server), or a metadata server's URL
     protocol: str = "tcp"
     segment_bytes: int = 0  # memory this worker lends the store (0: a standalone store process lends it)
     local_buffer_bytes: int = 16 << 20
@@ -105,7 +106,7 @@ class G4Store:
         self.last_fault = float("-inf")  # monotonic time of the last failed call (the master may have lost objects)
         self._closed = False
         self._lock = threading.Lock()  # one call at a time (register, reads, writes come from different threads)
-        self.stats = {"written": 0, "read": 0, "misses": 0, "rejected": 0, "down": 0,
+        self.stats = {"written": 0, "read": 0, "misses": 0, "rejected": 0, "removed": 0, "down": 0,
                       # the write-through's (g4_tier.G4Writes): blocks not queued (queue full), writes dropped (a
                       # reset or re-key since queued), queued again (failed, or offered while down), given up, and
                       # written again (G4 had lost them: a master restart)
@@ -147,10 +148,12 @@ class G4Store:
         # address even beside a local master). It moves no listener: those are on every address (README).
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", s.hostname)
         client = MooncakeDistributedStore()
+        before = listeners.snapshot()
         rc = client.setup(s.hostname, s.metadata, s.segment_bytes, s.local_buffer_bytes, s.protocol, "", s.master)
         if rc != 0:
             self._fail(f"setup returned {rc} (master {s.master}, metadata {s.metadata})")
             return False
+        listeners.log_opened(logger, before)  # what setup opened, bound where
         for tensor in self._lent:
             self._register(client, tensor)
         self._client = client
@@ -261,11 +264,26 @@ class G4Store:
         if any(g == RPC_FAIL for g in got):
             self._fail("the master did not answer a read")
         out: list[Optional[BlockMeta]] = []
+        rejected = []
         for block_id, n, row, header in zip(block_ids, got, rows, headers):
             meta = self._verify(block_id, n, row, header)
             out.append(meta)
             self.stats["read" if meta is not None else "misses"] += 1
+            if meta is None and n >= 0:
+                rejected.append(keys[len(out) - 1])
+        if rejected:
+            self._remove(rejected)
         return out
+
+    def _remove(self, keys: list[str]) -> None:
+        """Delete objects that failed verification: Mooncake keeps an existing key on a put, so a damaged
+        object left in place would stay a miss for every worker until evicted; removed, the next write
+        of the block (the request that recomputes it writes through) replaces it."""
+        with self._lock:
+            if self._client is None:
+                return
+            results = [self._client.remove(key, True) for key in keys]  # force: ignore leases of readers
+        self.stats["removed"] += sum(r == 0 for r in results)
 
     def _verify(self, block_id: BlockId, n: int, row: torch.Tensor, header_row: torch.Tensor) -> Optional[BlockMeta]:
         if n < 0:

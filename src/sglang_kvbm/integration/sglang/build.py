@@ -124,6 +124,7 @@ def build_tiers(
             policy=policy, observer=observer if kv else None,  # one disk, one read meter: sidecars wait by it too
             executor=offload_executor if kv else None, writer=disk_writer if kv else None,
             reader=disk_reader if kv else None, g4=g4 if kv else None,
+            wait_floor=None if config.load_wait_ms is None else config.load_wait_ms / 1000,
             g4_filter=FrequencyFilter() if kv and g4 is not None and config.mooncake_offload_filter else None,
         ))
     manager = managers[0]
