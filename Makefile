@@ -30,8 +30,12 @@ $(DYNAMO_STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/sglang-kvbm demo
 
+# Two pytest-xdist workers, a test file each at a time (a file's servers and module fixtures stay
+# on one worker); the files that start servers go first (tests/conftest.py). Most of a server
+# test's time is waiting (start-up, polling, another process's turn), so two overlap well on 2 cores.
+TEST_WORKERS ?= 2
 test: system-deps $(STAMP) $(DYNAMO_STAMP)
-	$(VENV)/bin/python -m pytest -q -ra --durations=25 tests
+	$(VENV)/bin/python -m pytest -q -ra --durations=25 -n $(TEST_WORKERS) --dist loadfile tests
 
 # Mooncake (the shared tier's tests start a real mooncake_master) needs libibverbs1, over TCP too.
 system-deps:

@@ -55,6 +55,11 @@ def main(rank: int, port: int, out: str, root: str) -> None:
     sys.path.insert(0, str(HERE))
     import pp_pair_worker
     import tp_pair_worker
+    from sglang_kvbm.backends.local import lookups
+
+    # Loads must land whatever the machine is doing (conftest.loads_wait_for_their_reads); the one
+    # scenario about the budget (tp_pair_worker.slow_read) sets its own.
+    lookups.WAIT_FLOOR_S = lookups.G4_FIRST_WAIT_S = 30.0
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=240))

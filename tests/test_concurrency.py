@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import random
 import threading
-import time
 from array import array
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,6 +26,10 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackPara
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from conftest import build_stack, make_req
+
+# loads must land whatever the machine is doing (not this file's subject: test_disk_lanes.py tests the budget)
+pytestmark = pytest.mark.usefixtures("loads_wait_for_their_reads")
+
 
 PAGE = 4
 STEPS = 800
@@ -171,7 +174,6 @@ class Scenario:
 @pytest.mark.parametrize("seed", [11, 12])
 @pytest.mark.parametrize("tiers", ["host", "host+disk"])
 def test_copies_never_race_page_reuse_or_reset(tmp_path, tiers, seed):
-    started = time.monotonic()
     rng = random.Random(seed)
     executor = SteppedExecutor()
     disk = {"disk_blocks": 96, "disk_dir": tmp_path} if tiers == "host+disk" else {}
@@ -233,7 +235,6 @@ def test_copies_never_race_page_reuse_or_reset(tmp_path, tiers, seed):
         executor.release()
         stack.cache.close()
         executor.shutdown()
-    assert time.monotonic() - started < 60
 
 
 def check_disk(disk, scenario) -> None:

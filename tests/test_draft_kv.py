@@ -15,6 +15,10 @@ import pytest
 from sglang_kvbm.testing.hybrid import admit, build, equal, kv_bytes
 from test_disk_tier import data_offset, flip_bit, segment_path
 
+# loads must land whatever the machine is doing (not this file's subject: test_disk_lanes.py tests the budget)
+pytestmark = pytest.mark.usefixtures("loads_wait_for_their_reads")
+
+
 PAGES = 6
 
 

@@ -20,10 +20,13 @@ from __future__ import annotations
 import re
 import time
 
+import msgspec
 import pytest
 import requests
+import zmq
 
 from conftest import LOGPROB_TOLERANCE
+from sglang_kvbm.backends.mooncake.events import announced, list_keys
 from sglang_kvbm.testing.dynamo import DynamoFrontend, DynamoWorker, dynamo_python
 from sglang_kvbm.testing.model import prompt_ids
 from sglang_kvbm.testing.mooncake import MooncakeCluster
@@ -92,6 +95,26 @@ class Deployment:
         return done, after[0] - before[0]
 
 
+def announced_all(endpoint, keys: set[str], timeout=120.0):
+    """Subscribe to the relay (late subscribers are told everything held) until it announced all of ``keys``."""
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    held: set[str] = set()
+    try:
+        deadline = time.monotonic() + timeout
+        while not keys <= held:
+            assert time.monotonic() < deadline, f"the relay announced {len(keys & held)} of {len(keys)} objects"
+            if sub.poll(200):
+                _topic, _sequence, payload = sub.recv_multipart()
+                for event in msgspec.msgpack.decode(payload)[1]:
+                    (held.add if event["event_type"] == "stored" else held.discard)(event["object_key"])
+    finally:
+        sub.close(0)
+        context.term()
+
+
 def g4(worker):
     return worker.stats()["g4"]
 
@@ -134,7 +157,12 @@ def test_a_prefix_only_in_g4_is_a_shared_hit_for_the_router_and_served_from_g4(d
     only_g4 = {"device": 0, "host": 0, "disk": 0, "g4": PROMPT}  # POST /tiers: nowhere but Mooncake
     assert a.tiers(PREFIX) == only_g4 and d.workers[1].tiers(PREFIX) == only_g4, (a.tiers(PREFIX),
                                                                                   d.workers[1].tiers(PREFIX))
-    time.sleep(1.0)  # the relay polls every 0.2 s; the router applies events on its own thread
+    # The relay polls the master every 0.2 s and publishes to the router; wait until a subscriber of our
+    # own has been told of every object the master holds (each block with its V twin), then give the
+    # router, subscribed since it started, a moment to apply them on its own thread.
+    keys = {name for key in list_keys(f"http://127.0.0.1:{d.cluster.admin_port}") for name in announced(key)}
+    announced_all(d.cluster.events_endpoint, keys)
+    time.sleep(1.0)
 
     fresh, fresh_rate = d.shared_hit_rate(FRESH)
     assert fresh_rate == 0.0 and fresh.cached_tokens == 0

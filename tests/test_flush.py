@@ -8,7 +8,12 @@ disk tier in files through NIXL) with the disk writer held by the test
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
+
+# loads must land whatever the machine is doing (not this file's subject: test_disk_lanes.py tests the budget)
+pytestmark = pytest.mark.usefixtures("loads_wait_for_their_reads")
+
 
 PAGE = 4
 

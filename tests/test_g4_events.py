@@ -37,7 +37,7 @@ class Subscriber:
         self.held: set[str] = set()
         self.sequences: list[int] = []
 
-    def drain(self, relay, until, timeout=10.0):
+    def drain(self, relay, until, timeout=60.0):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             relay.poll()

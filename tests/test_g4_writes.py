@@ -227,13 +227,14 @@ def test_blocks_lost_to_a_master_restart_are_written_again_when_reused(managers,
 
 
 def test_offers_made_while_g4_is_down_are_written_once_it_is_back(managers, cluster, tmp_path):
-    manager = make(managers, cluster, tmp_path, host_blocks=8, disk=False, retry_s=2.0)
+    manager = make(managers, cluster, tmp_path, host_blocks=8, disk=False, retry_s=60.0)  # not by the clock here
     cluster.kill_master()
     manager._g4_lane.submit(manager.g4.contains, ["anything"]).result()  # a failed call: G4 is marked down
     assert manager.g4.down
     written = store(manager, "block-x", page=0, seed=1)
     assert manager.g4_writes.submitted == 0  # not attempted while down
     cluster.start_master()
+    manager.g4._down_until = 0.0  # as if the retry interval had passed
     until(lambda: cluster.capacity() > 0, manager, "the lender's remount")
     reader = Reader(cluster, manager.layout)
     until(lambda: reader.get("block-x") is not None, manager, "the offer made while down was never written")

@@ -69,7 +69,7 @@ class Observed:
                     stores[event.medium] += len(event.block_hashes)
         return stores
 
-    def settled(self, timeout=30.0):
+    def settled(self, timeout=120.0):
         """Metrics and stored blocks once no copy is in flight and the publisher has caught up.
 
         The idle scheduler keeps polling the cache, and SGLang's publisher sends

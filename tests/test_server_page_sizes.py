@@ -68,7 +68,7 @@ def test_host_and_disk_hits_at_page_size(page, model_dir, stock_results, tmp_pat
         assert same_output(served("A", "host", "onboard_blocks_h2d"), stock_results["A2"])
         for name in ("C", "D"):  # A leaves the host tier (two prompts' worth); its blocks are on disk
             server.generate(prompts[name], max_new_tokens=8)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         while not (now := tiers("A"))["host"] < cached <= now["disk"]:
             assert time.monotonic() < deadline, now
             server.generate([5, 6, 7], max_new_tokens=1)  # a step: the scheduler collects finished disk writes

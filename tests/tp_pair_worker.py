@@ -15,6 +15,8 @@ from array import array
 
 import torch
 
+from sglang_kvbm.backends.local import lookups
+
 sys.path.insert(0, os.path.dirname(__file__))
 
 from conftest import GatedLanes, Stack, make_req  # noqa: E402
@@ -119,11 +121,17 @@ def slow_read(rank, group, root):
     stack = build(rank, group, f"{root}/slow", reader)
     tokens = list(range(300, 316))
     written = on_disk_only(stack, tokens, rank)
-    stack.linker.policy.read.record(1 << 20, 1e-3)
+    meter = stack.linker.policy.read
+    meter.keep_since(meter.recorded)  # only this estimate counts
+    meter.record(1 << 20, 1e-3)
     if reader is not None:
         reader.submit(lambda: None)
         reader.wait_held()
-    first = admit(stack, tokens + [7], "first")
+    floor, lookups.WAIT_FLOOR_S = lookups.WAIT_FLOOR_S, 0.05  # the live budget (rank_pair.main raised it)
+    try:
+        first = admit(stack, tokens + [7], "first")
+    finally:
+        lookups.WAIT_FLOOR_S = floor
     if reader is not None:
         reader.open()
     stack.settle()

@@ -18,7 +18,7 @@ from typing import Mapping, Optional, Sequence
 
 import requests
 
-from sglang_kvbm.testing.server import free_port, log_tail, stop_group
+from sglang_kvbm.testing.server import QUICK_STOP, free_port, log_tail, stop_group
 
 _REPO = Path(__file__).resolve().parents[3]
 NAMESPACE_ENDPOINT = "dynamo.backend.generate"  # where dynamo.sglang serves (namespace.component.endpoint)
@@ -59,6 +59,7 @@ def dynamo_env(discovery_dir: str | Path) -> dict[str, str]:
         # A stopped worker unregisters, then waits 5 s for in-flight requests by default; these
         # deployments are stopped only when nothing is in flight.
         "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS": "0",
+        **QUICK_STOP,
     }
 
 

@@ -28,6 +28,11 @@ CPU_ARGS = (
     "--dtype", "float32",
 )
 
+# A stopped server's scheduler dies by SIGTERM before its launcher does; the launcher takes that
+# for a crash and, by default, sleeps 5 s to let a GPU settle before dumping its schedulers'
+# stacks with py-spy. Nothing to settle on a CPU, and nothing crashed.
+QUICK_STOP = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0"}
+
 
 _handed_out: set[int] = set()
 
@@ -46,21 +51,42 @@ def free_port(count: int = 1) -> int:
     that add a rank to a base port (SGLang's KV event endpoints and KVBM's metrics port
     under ``--dp-size``), so no rank's port can be another server's.
 
-    Taken from 20000-32767, below the kernel's ephemeral range (32768-60999 by default): a port
-    from that range can be given to some process's outgoing connection between this call and
-    the server's bind (seen: a Dynamo worker's KV event port taken while the worker beside it
-    started). Dynamo's ``DYN_SYSTEM_PORT`` needs one below 32768 too.
+    Taken from 20000-21999 and 30000-32767: below the kernel's ephemeral range (32768-60999 by
+    default), where a port can be given to some process's outgoing connection between this call
+    and the server's bind (seen: a Dynamo worker's KV event port taken while the worker beside it
+    started), and outside 22000-29999, where SGLang draws its own ports (``nccl_port``,
+    ``get_free_port_below_ephemeral``) for processes that bind them later. Dynamo's
+    ``DYN_SYSTEM_PORT`` needs one below 32768 too. Under pytest-xdist each worker draws from its
+    own share of each part: two workers' servers never race for one port.
     """
-    top = min(32768, _ephemeral_low())
-    top = top if top > 21_000 else 32768
     for _ in range(500):
-        base = random.randrange(20_000, top - count + 1)
+        low, top = random.choice(_PORT_RANGES)
+        base = random.randrange(low, top - count + 1)
         ports = range(base, base + count)
         if any(port in _handed_out for port in ports) or not all(_bindable(port) for port in ports):
             continue
         _handed_out.update(ports)
         return base
-    raise RuntimeError(f"no {count} free consecutive ports in 20000-{top}")
+    raise RuntimeError(f"no {count} free consecutive ports in {_PORT_RANGES}")
+
+
+def _port_ranges() -> list[tuple[int, int]]:
+    top = min(32768, _ephemeral_low())
+    top = top if top > 31_000 else 32768
+    return [_worker_share(low, high) for low, high in ((20_000, 22_000), (30_000, top))]
+
+
+def _worker_share(low: int, top: int) -> tuple[int, int]:
+    """``[low, top)``, or this pytest-xdist worker's slice of it (``PYTEST_XDIST_WORKER=gwN``)."""
+    worker, workers = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not (worker.startswith("gw") and worker[2:].isdigit() and workers.isdigit() and int(workers) > 1):
+        return low, top
+    step = (top - low) // int(workers)
+    start = low + step * (int(worker[2:]) % int(workers))
+    return start, start + step
+
+
+_PORT_RANGES = _port_ranges()
 
 
 def _bindable(port: int) -> bool:
@@ -145,16 +171,24 @@ class SglangServer:
             "--max-total-tokens", str(max_total_tokens),
             *extra_args,
         ]
-        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", **QUICK_STOP, **(env or {})}
         self.log_path = Path(log_path) if log_path else None
         self._proc: Optional[subprocess.Popen] = None
         self._log = None
 
     def start(self, timeout: float = 240.0) -> "SglangServer":
+        return self.launch().wait_ready(timeout)
+
+    def launch(self) -> "SglangServer":
+        """Start the process and return at once (servers that start side by side: launch each, then wait)."""
         self._log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
         self._proc = subprocess.Popen(
             self.args, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
+        return self
+
+    def wait_ready(self, timeout: float = 240.0) -> "SglangServer":
+        """Until ``/health`` answers 200; a server that exits or is not healthy in ``timeout`` s is stopped."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import msgspec
 import zmq
@@ -61,17 +61,27 @@ def _replay_round(endpoint: str, start_seq: int, timeout: float, quiet: float) -
         sock.close()
 
 
-def subscribe(endpoint: str, topic: str = "", timeout: Optional[float] = None) -> Iterator[tuple[int, KVEventBatch]]:
-    """Live batches from a publisher's PUB socket; stops after ``timeout`` seconds of silence."""
+def subscribe(endpoint: str, topic: str = "", timeout: Optional[float] = None,
+              stop: Optional[Callable[[], bool]] = None) -> Iterator[tuple[int, KVEventBatch]]:
+    """Live batches from a publisher's PUB socket; stops after ``timeout`` seconds of silence, or once
+    ``stop()`` answers True (asked at least every 0.2 s)."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
     sock.connect(endpoint)
     decoder = _decoder()
+    step = 200 if stop is not None else (None if timeout is None else int(timeout * 1000))
+    silent = 0.0
     try:
-        while sock.poll(None if timeout is None else int(timeout * 1000)):
-            _topic, seq, payload = sock.recv_multipart()
-            yield int.from_bytes(seq, "big"), decoder.decode(payload)
+        while stop is None or not stop():
+            if sock.poll(step):
+                _topic, seq, payload = sock.recv_multipart()
+                silent = 0.0
+                yield int.from_bytes(seq, "big"), decoder.decode(payload)
+                continue
+            silent += (step or 0) / 1000
+            if timeout is not None and silent >= timeout:
+                return
     finally:
         sock.close()
