@@ -195,7 +195,7 @@ def diagnose(environ=None, *, block_bytes: Optional[int] = None, page_size: Opti
     if config.has_g4:
         from sglang_kvbm.doctor_g4 import g4_rows
 
-        g4_rows(rows, config, environ)
+        rows.extend(Row(*row) for row in g4_rows(config, environ))
     if config.metrics:
         rows.append(Row("metrics", "ok", f"http://{config.http_host}:{config.metrics_port}/metrics"))
     return rows
