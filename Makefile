@@ -31,11 +31,13 @@ demo: $(STAMP)
 	$(VENV)/bin/sglang-kvbm demo
 
 # Two pytest-xdist workers, a test file each at a time (a file's servers and module fixtures stay
-# on one worker); the files that start servers go first (tests/conftest.py). Most of a server
-# test's time is waiting (start-up, polling, another process's turn), so two overlap well on 2 cores.
+# on one worker), in collection order: the files that start servers first (tests/conftest.py; xdist
+# would otherwise start the files with the most tests first, and these, one or two tests each, last).
+# Most of a server test's time is waiting (start-up, polling, another process's turn): two overlap
+# well on 2 cores.
 TEST_WORKERS ?= 2
 test: system-deps $(STAMP) $(DYNAMO_STAMP)
-	$(VENV)/bin/python -m pytest -q -ra --durations=25 -n $(TEST_WORKERS) --dist loadfile tests
+	$(VENV)/bin/python -m pytest -q -ra --durations=25 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # Mooncake (the shared tier's tests start a real mooncake_master) needs libibverbs1, over TCP too.
 system-deps:

@@ -15,6 +15,7 @@ import itertools
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import threading
 from array import array
@@ -724,3 +725,31 @@ def test_stats_give_the_disk_slot_size_while_the_disk_tier_is_empty(stack_factor
     stack = disk_stack(stack_factory, tmp_path)
     assert len(stack.manager.disk) == 0
     assert stats_of(stack.linker)["block_bytes"]["disk"] == stack.manager.disk.slot_bytes > 0
+
+
+def test_a_directory_is_created_and_locked_at_once_for_every_other_claim(tmp_path):
+    """Two identities starting side by side on one root (a server's TP ranks or PP stages): neither can take
+    the other's new directory for a stale one between its creation and its lock, and remove it under it."""
+    from sglang_kvbm.backends.local.disk import directory
+
+    claimed = {}
+
+    def claim_b():
+        claimed["b"] = directory.claim(tmp_path, b"\x0b" * 32)
+
+    with directory._claims(tmp_path):  # what A holds from creating its directory to locking it
+        a_dir = directory.identity_dir(tmp_path, b"\x0a" * 32)
+        a_dir.mkdir(mode=0o700)
+        (a_dir / "lock").touch(mode=0o600)  # created, not yet locked: the window B's reclaim must not see
+        other = threading.Thread(target=claim_b)
+        other.start()
+        other.join(timeout=1.0)
+        assert other.is_alive(), "B claimed (and reclaimed) while A was between creating and locking"
+        path, lock, _ = directory._claim(tmp_path, b"\x0a" * 32, ())
+    other.join(timeout=60)
+    assert a_dir.exists() and path == a_dir, "B removed A's directory"
+    assert claimed["b"][0].exists()
+    for _, held, _ in (claimed["b"], (path, lock, None)):
+        held.close()
+    lock_file = tmp_path / f".sglang-kvbm-claims-{os.getuid()}.lock"
+    assert stat.S_IMODE(lock_file.stat().st_mode) == 0o600

@@ -37,7 +37,7 @@ export DYN_TCP_RPC_HOST=127.0.0.1 DYN_EVENT_PLANE_HOST=127.0.0.1 HF_HUB_OFFLINE=
 
 ENGINE=()
 if [ "$DEVICE" = cpu ]; then
-    ENGINE=(--device cpu --attention-backend torch_native --mem-fraction-static 0.05 --disable-cuda-graph
+    ENGINE=(--device cpu --attention-backend torch_native --mem-fraction-static 0.3 --disable-cuda-graph
             --dtype float32 --max-total-tokens 1024)  # a small device pool: prefixes leave it soon
 fi
 

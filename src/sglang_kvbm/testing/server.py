@@ -19,10 +19,14 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import requests
 
+# --mem-fraction-static: on CPU, SGLang measures the machine's available memory before and after
+# loading the weights; whatever other processes took meanwhile counts as this server's, and with
+# 0.05 a server beside others starting failed ("Loaded weights leave no GPU memory for the KV
+# cache"). The pool is --max-total-tokens either way (same RSS measured at 0.05 and 0.3).
 CPU_ARGS = (
     "--device", "cpu",
     "--attention-backend", "torch_native",
-    "--mem-fraction-static", "0.05",
+    "--mem-fraction-static", "0.3",
     "--host", "127.0.0.1",
     "--disable-cuda-graph",
     "--dtype", "float32",

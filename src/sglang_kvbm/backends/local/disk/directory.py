@@ -8,16 +8,23 @@ no live server holds are removed at start-up (except the ``keep`` identities the
 same server claims next: a hybrid model's sidecar pools have disk tiers of their own). A server whose weights are
 replaced in memory renames its directory to a new identity (:func:`move`). Everything is created 0700 / 0600,
 and a directory others can write is refused.
+
+Claiming, reclaiming and moving hold one lock per user on the root (``.sglang-kvbm-claims-<uid>.lock``): a
+directory is created and locked in one step as seen by every other process of that user, so one starting beside
+another (the TP ranks or PP stages of one server, each its own identity, start together) never takes a
+directory that was just created, but not yet locked, for a stale one and removes it under its owner (seen: a
+PP stage's segment file vanished at start-up).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
 import shutil
 from pathlib import Path
-from typing import IO
+from typing import IO, Iterator
 
 from sglang_kvbm.config import ConfigError
 
@@ -43,9 +50,25 @@ def _open_lock(directory: Path) -> IO:
     return os.fdopen(os.open(directory / "lock", os.O_RDWR | os.O_CREAT, 0o600), "r+")
 
 
+@contextlib.contextmanager
+def _claims(root: Path) -> Iterator[None]:
+    """Hold this user's claims lock on ``root`` (a shared root such as /tmp has one per user)."""
+    fd = os.open(Path(root) / f".{DIR_PREFIX}claims-{os.getuid()}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def claim(root: Path, fingerprint: bytes, keep: tuple[bytes, ...] = ()) -> tuple[Path, IO, bool]:
     """This identity's directory, locked for this process, and whether it is a warm start (``keep``: other
     identities of this server, not reclaimed)."""
+    with _claims(root):
+        return _claim(root, fingerprint, keep)
+
+
+def _claim(root: Path, fingerprint: bytes, keep: tuple[bytes, ...]) -> tuple[Path, IO, bool]:
     path = identity_dir(root, fingerprint)
     path.mkdir(mode=0o700, exist_ok=True)
     stat = path.stat()
@@ -106,6 +129,11 @@ def move(current: Path, fingerprint: bytes) -> Path:
     target = identity_dir(current.parent, fingerprint)
     if target == current:
         return current
+    with _claims(current.parent):
+        return _move(current, target)
+
+
+def _move(current: Path, target: Path) -> Path:
     if target.exists() and not _reclaim(target):
         target = target.with_name(f"{target.name}-{os.getpid()}")
         if target.exists():  # a private directory this process left under that identity before
