@@ -69,8 +69,8 @@ class Deployment:
         for process in (self.frontend, *self.workers):  # in parallel: each takes ~30 s on 2 cores
             process.start()
         for worker in self.workers:
-            worker.wait_ready(timeout=300)
-        self.frontend.wait_ready(MODEL, [w.instance_id for w in self.workers], timeout=120)
+            worker.wait_ready(timeout=600)
+        self.frontend.wait_ready(MODEL, [w.instance_id for w in self.workers], timeout=600)
         self.view.start()
         for worker in self.workers:  # the first request of a worker pays one-off costs (JIT)
             self.complete(prompt_ids(99, 8), 1, worker=worker)

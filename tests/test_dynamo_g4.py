@@ -73,8 +73,8 @@ class Deployment:
         for process in (self.frontend, *self.workers):
             process.start()
         for worker in self.workers:
-            worker.wait_ready(timeout=300)
-        self.frontend.wait_ready(MODEL, [w.instance_id for w in self.workers], timeout=120)
+            worker.wait_ready(timeout=600)
+        self.frontend.wait_ready(MODEL, [w.instance_id for w in self.workers], timeout=600)
         for worker in self.workers:
             self.complete(prompt_ids(99, 8), 1, worker=worker)
         return self

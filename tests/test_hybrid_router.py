@@ -34,14 +34,20 @@ def publish(h, publisher) -> None:
         publisher.publish(KVEventBatch(ts=time.time(), events=events))
 
 
-def predicted(indexer, tokens, timeout: float = 120.0) -> dict:
-    """The indexer's per-medium matched tokens for worker 1, once it caught up with the stream."""
+def predicted(indexer, tokens, publisher, timeout: float = 120.0) -> dict:
+    """The indexer's per-medium matched tokens for worker 1, once it caught up with the stream.
+
+    ZMQ drops what a publisher sends before a subscriber has joined, and a busy machine can take a
+    while to connect the indexer's: each poll publishes an empty batch, whose sequence number shows
+    the indexer what it missed, which it then asks the replay endpoint for.
+    """
     deadline = time.monotonic() + timeout
     while True:
         seen = indexer.query(tokens).get("1", {})
         got = {tier: seen.get(tier, 0) for tier in ("gpu", "cpu", "disk")}
         if got["gpu"] == 0 and (got["cpu"] or got["disk"]) or time.monotonic() > deadline:
             return got
+        publisher.publish(KVEventBatch(ts=time.time(), events=[]))
         time.sleep(0.25)  # the indexer applies events on its own threads: nothing to wait on but time
 
 
@@ -59,7 +65,7 @@ def test_indexer_predicts_the_tier_hit_a_hybrid_worker_serves(tmp_path, kind, ti
             admit(h, tokens)
             h.evict_device()
             publish(h, publisher)
-            seen = predicted(indexer, tokens)
+            seen = predicted(indexer, tokens, publisher)
             served = admit(h, tokens, compute=False)
             assert served.device_tokens == 0 and served.loaded_tokens == PAGES * PAGE
             # the indexer counts tokens matched in that medium or any above it, as the worker's POST /tiers does

@@ -63,7 +63,7 @@ def test_bad_kvbm_config_stops_the_launcher(model_dir, patched_tree, tmp_path):
     log = tmp_path / "server.log"
     server = patched_server(model_dir, patched_tree, log, {"cpu_cache_gb": -1})
     with pytest.raises(ServerError):
-        server.start(timeout=120)
+        server.start(timeout=600)
     server.stop()
     assert "--kvbm-config cpu_cache_gb='-1' must be a positive size" in log.read_text()
 

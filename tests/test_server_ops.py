@@ -86,7 +86,7 @@ def test_a_refused_start_leaves_the_disk_cache_untouched(model_dir, tmp_path):
             env={"DYN_KVBM_DISK_CACHE_GB": "1", "DYN_KVBM_DISK_CACHE_DIR": str(directory), **env},
         )
         with pytest.raises(ServerError):
-            server.start(timeout=180)
+            server.start(timeout=600)
         server.stop()
         assert why in log.read_text()
         after = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in kept.iterdir()}

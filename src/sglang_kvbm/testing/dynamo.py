@@ -76,7 +76,7 @@ class DynamoFrontend(_Process):
         health = requests.get(f"{self.url}/health", timeout=5).json()
         return {int(i["instance_id"]) for i in health.get("instances", []) if i.get("endpoint") == "generate"}
 
-    def wait_ready(self, model: str, worker_ids: Sequence[int] = (), timeout: float = 240.0) -> "DynamoFrontend":
+    def wait_ready(self, model: str, worker_ids: Sequence[int] = (), timeout: float = 600.0) -> "DynamoFrontend":
         """Until the frontend serves ``model`` and has discovered every one of ``worker_ids``."""
 
         def ready() -> bool:
@@ -211,7 +211,7 @@ class DynamoWorker(_Process):
             })
         super().__init__(args, worker_env, log_path)
 
-    def wait_ready(self, timeout: float = 240.0) -> "DynamoWorker":
+    def wait_ready(self, timeout: float = 600.0) -> "DynamoWorker":
         """Until Dynamo's status server says every endpoint is ready; then reads the worker's instance id."""
         base = f"http://127.0.0.1:{self.system_port}"
 

@@ -111,7 +111,7 @@ class RouterView:
         self._proc: Optional[subprocess.Popen] = None
         self._log = None
 
-    def start(self, timeout: float = 60.0) -> "RouterView":
+    def start(self, timeout: float = 120.0) -> "RouterView":
         require_dynamo()
         self._log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
         self._proc = subprocess.Popen(self.args, env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -128,7 +128,7 @@ class RouterView:
             raise DynamoError(f"router view gave no answer in {timeout:.0f}s (exit code {self._proc.poll()})")
         return json.loads(line)
 
-    def _ask(self, request: dict, timeout: float = 30.0) -> dict:
+    def _ask(self, request: dict, timeout: float = 120.0) -> dict:
         assert self._proc is not None and self._proc.stdin is not None
         self._proc.stdin.write(json.dumps(request) + "\n")
         self._proc.stdin.flush()

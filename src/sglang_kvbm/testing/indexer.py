@@ -28,7 +28,7 @@ class DynamoIndexer:
         self._proc: Optional[subprocess.Popen] = None
         self._log = None
 
-    def start(self, timeout: float = 60.0) -> "DynamoIndexer":
+    def start(self, timeout: float = 120.0) -> "DynamoIndexer":
         python = require_dynamo()
         self._log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
         self._proc = subprocess.Popen(

@@ -67,14 +67,14 @@ class MooncakeCluster:
         finally:
             log.close()
 
-    def start_master(self, timeout: float = 30.0) -> None:
+    def start_master(self, timeout: float = 120.0) -> None:
         self.master = self._spawn([
             str(binary("mooncake_master")), f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
             "--metrics_host=127.0.0.1", f"--metrics_port={self.admin_port}", "--enable_metric_reporting=false",
         ], "master")
         self._wait(lambda: requests.get(f"http://127.0.0.1:{self.admin_port}/health", timeout=1).ok, timeout, "master")
 
-    def start_lender(self, timeout: float = 30.0) -> None:
+    def start_lender(self, timeout: float = 120.0) -> None:
         self.lender = self._spawn([
             str(binary("mooncake_client")), "--host=127.0.0.1", f"--port={free_port()}",
             f"--global_segment_size={self.lend}", f"--master_server_address={self.master_address}",

@@ -34,8 +34,9 @@ CPU_ARGS = (
 
 # A stopped server's scheduler dies by SIGTERM before its launcher does; the launcher takes that
 # for a crash and, by default, sleeps 5 s to let a GPU settle before dumping its schedulers'
-# stacks with py-spy. Nothing to settle on a CPU, and nothing crashed.
-QUICK_STOP = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0"}
+# stacks with py-spy and asking for CUDA core dumps (either one is enough to sleep). Nothing to
+# settle on a CPU, and nothing crashed.
+QUICK_STOP = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
 
 
 _handed_out: set[int] = set()
@@ -180,7 +181,7 @@ class SglangServer:
         self._proc: Optional[subprocess.Popen] = None
         self._log = None
 
-    def start(self, timeout: float = 240.0) -> "SglangServer":
+    def start(self, timeout: float = 600.0) -> "SglangServer":
         return self.launch().wait_ready(timeout)
 
     def launch(self) -> "SglangServer":
@@ -191,7 +192,7 @@ class SglangServer:
         )
         return self
 
-    def wait_ready(self, timeout: float = 240.0) -> "SglangServer":
+    def wait_ready(self, timeout: float = 600.0) -> "SglangServer":
         """Until ``/health`` answers 200; a server that exits or is not healthy in ``timeout`` s is stopped."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
