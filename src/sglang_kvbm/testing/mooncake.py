@@ -26,6 +26,7 @@ from typing import Optional
 
 import requests
 
+from sglang_kvbm.backends.mooncake.probe import unreachable_endpoints
 from sglang_kvbm.testing.server import free_port, stop_group
 
 
@@ -72,7 +73,10 @@ class MooncakeCluster:
             str(binary("mooncake_master")), f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
             "--metrics_host=127.0.0.1", f"--metrics_port={self.admin_port}", "--enable_metric_reporting=false",
         ], "master")
-        self._wait(lambda: requests.get(f"http://127.0.0.1:{self.admin_port}/health", timeout=1).ok, timeout, "master")
+        # Its metrics server answers /health before its RPC server listens: ready is both (a client or doctor
+        # that connects in between is refused; seen once in CI without a lender to wait for).
+        self._wait(lambda: requests.get(f"http://127.0.0.1:{self.admin_port}/health", timeout=1).ok
+                   and not unreachable_endpoints(self.master_address, ""), timeout, "master")
 
     def start_lender(self, timeout: float = 120.0) -> None:
         self.lender = self._spawn([
