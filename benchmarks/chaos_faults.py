@@ -182,7 +182,7 @@ def _g4_damage_main(master: str, metadata: str, admin: str, seed: str) -> None:
 
     from mooncake.store import MooncakeDistributedStore
 
-    from sglang_kvbm.backends.mooncake.events import list_keys
+    from sglang_kvbm.tiers.mooncake.events import list_keys
 
     rng = random.Random(int(seed))
     keys = sorted(k for k in list_keys(admin) if k.startswith("kvbm-"))

@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 
 from common import save_plot, scratch_dir, table, verdict
-from sglang_kvbm.backends.local.disk.setup import probe
-from sglang_kvbm.backends.local.disk.store import DiskStore
 from sglang_kvbm.core.ports import BlockMeta
-from sglang_kvbm.kv_layout import aligned_empty
+from sglang_kvbm.tiers.disk.setup import probe
+from sglang_kvbm.tiers.disk.store import DiskStore
+from sglang_kvbm.transfer.host_memory import aligned_empty
 
 GIB = 1 << 30
 READ_CHUNK = 16 << 20

@@ -8,7 +8,7 @@ attention reads them) over a KV pool laid out like SGLang's MHA pool:
 * ``device hit``: the KV is already in the pool (the baseline, same run);
 * ``host hit``: the same forward, each layer first waiting (``wait_until``) for
   the loader thread's copy of it from the pinned host tier, as SGLang's KV pool
-  makes it wait (``layer_counter``, ``backends/local/layer_loader``).
+  makes it wait (``layer_counter``, ``tiers/layer_loader``).
 
 It also reports what the scheduler thread spent handing the load over
 (``LayerLoader.start``) and, per layer, how long the forward waited. Torch and
@@ -27,12 +27,12 @@ import time
 import torch
 
 from common import table, verdict
-from sglang_kvbm.backends.local.layer_loader import LayerLoader
-from sglang_kvbm.backends.local.manager import LocalBlockManager
 from sglang_kvbm.core.identity import chain_hashes
 from sglang_kvbm.core.ports import BlockMeta, StoreRequest
-from sglang_kvbm.kv_layout import PagedKvLayout
-from sglang_kvbm.layer_counter import LayerCounter
+from sglang_kvbm.tiers.manager import LocalBlockManager
+from sglang_kvbm.transfer.kv_layout import PagedKvLayout
+from sglang_kvbm.transfer.layer_counter import LayerCounter
+from sglang_kvbm.transfer.layer_loader import LayerLoader
 
 
 def sync(device: str) -> None:

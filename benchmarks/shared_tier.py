@@ -39,7 +39,7 @@ from pathlib import Path
 import requests
 
 from common import mean, pct, table, verdict
-from sglang_kvbm.demo import _stream_generate
+from sglang_kvbm.ops.demo import _stream_generate
 from sglang_kvbm.testing.model import DEMO, make_model, prompt_ids
 from sglang_kvbm.testing.server import SglangServer, free_port
 

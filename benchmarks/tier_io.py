@@ -42,14 +42,16 @@ from pathlib import Path
 import torch
 
 from common import save_plot, table, verdict
-from sglang_kvbm.backends.local import copies
-from sglang_kvbm.backends.local.disk.nixl_io import NixlFileIO
-from sglang_kvbm.backends.local.disk.setup import probe
-from sglang_kvbm.backends.local.disk.store import DiskStore
-from sglang_kvbm.backends.local.manager import LocalBlockManager
 from sglang_kvbm.core.identity import chain_hashes
 from sglang_kvbm.core.ports import BlockMeta, StoreRequest
-from sglang_kvbm.kv_layout import PagedKvLayout, aligned_empty, index
+from sglang_kvbm.tiers.disk.nixl_io import NixlFileIO
+from sglang_kvbm.tiers.disk.setup import probe
+from sglang_kvbm.tiers.disk.store import DiskStore
+from sglang_kvbm.tiers.manager import LocalBlockManager
+from sglang_kvbm.transfer import copies
+from sglang_kvbm.transfer.host_memory import aligned_empty
+from sglang_kvbm.transfer.indexes import index
+from sglang_kvbm.transfer.kv_layout import PagedKvLayout
 
 
 def seconds(fn) -> float:

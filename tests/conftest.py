@@ -12,9 +12,9 @@ from typing import Optional
 import pytest
 import torch
 
-from sglang_kvbm.backends.local import lookups
-from sglang_kvbm.backends.local.lanes import LaneExecutor
-from sglang_kvbm.kv_layout import PagedKvLayout
+from sglang_kvbm.tiers import lookups
+from sglang_kvbm.transfer.kv_layout import PagedKvLayout
+from sglang_kvbm.transfer.lanes import LaneExecutor
 
 # Every server and worker a test starts inherits this (SglangServer and the Dynamo processes pass the
 # environment on): a disk or G4 hit a test asserts lands however busy the machine is, instead of

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from sglang_kvbm.config import _VARS, ConfigError, KvbmConfig
+from sglang_kvbm.config.settings import _VARS, ConfigError, KvbmConfig
 
 BAD = {
     "_positive_float": ["four", "-1", "0", "nan", "inf"],

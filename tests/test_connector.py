@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from conftest import RecordingSink
-from sglang_kvbm.backends.local import copies
-from sglang_kvbm.backends.local.manager import LocalBlockManager
 from sglang_kvbm.core.connector import KvbmConnector
 from sglang_kvbm.core.identity import chain_hashes
 from sglang_kvbm.core.ports import BlockMeta, StoreRequest
 from sglang_kvbm.core.tiers import Tier
-from sglang_kvbm.kv_layout import PagedKvLayout, index
+from sglang_kvbm.tiers.manager import LocalBlockManager
+from sglang_kvbm.transfer import copies
+from sglang_kvbm.transfer.indexes import index
+from sglang_kvbm.transfer.kv_layout import PagedKvLayout
 
 PAGE = 4
 

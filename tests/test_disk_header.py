@@ -13,9 +13,9 @@ import logging
 import pytest
 import torch
 
-from sglang_kvbm.backends.local.disk.format import BlockHeader, decode_header, encode_header, header_bytes_for
-from sglang_kvbm.backends.local.disk.store import DiskStore
 from sglang_kvbm.core.ports import BlockMeta, EventIdentity
+from sglang_kvbm.tiers.disk.format import BlockHeader, decode_header, encode_header, header_bytes_for
+from sglang_kvbm.tiers.disk.store import DiskStore
 from test_disk_tier import disk_stored, load_exact, on_disk_only, push_out_of_host
 
 pytestmark = pytest.mark.usefixtures("loads_wait_for_their_reads")  # what a load serves, not how long it waits
@@ -94,8 +94,8 @@ def test_a_salt_too_long_for_the_header_is_a_miss_with_one_log_line(stack_factor
 
 
 def test_a_block_that_does_not_fit_leaves_the_rest_of_its_write(tmp_path):
-    from sglang_kvbm.backends.local.disk.setup import probe
-    from sglang_kvbm.kv_layout import aligned_empty
+    from sglang_kvbm.tiers.disk.setup import probe
+    from sglang_kvbm.transfer.host_memory import aligned_empty
 
     found = probe(tmp_path, 1 << 20, zerofill_fallback=True, disable_o_direct=False)
     store = DiskStore(probe=found, num_slots=4, block_bytes=4096, fingerprint=b"f" * 16, page_size=16)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import GatedLanes, make_req
-from sglang_kvbm.backends.local.lanes import LaneExecutor
+from sglang_kvbm.transfer.lanes import LaneExecutor
 
 PAGE = 4
 

@@ -27,9 +27,9 @@ from sglang.srt.disaggregation.kv_events import BlockRemoved, BlockStored
 
 from conftest import build_stack, chain_links, make_req
 from permissions import make_unwritable, make_writable
-from sglang_kvbm.backends.local.disk.setup import probe
 from sglang_kvbm.config import ConfigError
 from sglang_kvbm.integration.sglang.build import Identity
+from sglang_kvbm.tiers.disk.setup import probe
 
 pytestmark = pytest.mark.usefixtures("loads_wait_for_their_reads")  # what a load serves, not how long it waits
 
@@ -720,7 +720,7 @@ def test_writes_lost_below_the_filesystem_are_caught_on_read(eio_filesystem, cap
 
 def test_stats_give_the_disk_slot_size_while_the_disk_tier_is_empty(stack_factory, tmp_path):
     """``/stats`` block sizes: an empty disk tier is still a disk tier (it has a length of 0, not None)."""
-    from sglang_kvbm.integration.sglang.endpoint import stats_of
+    from sglang_kvbm.observe.endpoint import stats_of
 
     stack = disk_stack(stack_factory, tmp_path)
     assert len(stack.manager.disk) == 0
@@ -730,7 +730,7 @@ def test_stats_give_the_disk_slot_size_while_the_disk_tier_is_empty(stack_factor
 def test_a_directory_is_created_and_locked_at_once_for_every_other_claim(tmp_path):
     """Two identities starting side by side on one root (a server's TP ranks or PP stages): neither can take
     the other's new directory for a stale one between its creation and its lock, and remove it under it."""
-    from sglang_kvbm.backends.local.disk import directory
+    from sglang_kvbm.tiers.disk import directory
 
     claimed = {}
 

@@ -9,16 +9,16 @@ from pathlib import Path
 import pytest
 
 from permissions import make_unwritable, make_writable
-from sglang_kvbm import doctor as doctor_module
 from sglang_kvbm.config import ConfigError
-from sglang_kvbm.doctor import diagnose
-from sglang_kvbm.versions import SUPPORTED_SGLANG, check_sglang_version
+from sglang_kvbm.ops import doctor as doctor_module
+from sglang_kvbm.ops.doctor import diagnose
+from sglang_kvbm.ops.versions import SUPPORTED_SGLANG, check_sglang_version
 
 
 def doctor(env_extra, *args):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DYN_KVBM_", "SGLANG_KVBM_"))}
     env.update(env_extra)
-    return subprocess.run([sys.executable, "-m", "sglang_kvbm.cli", "doctor", *args], env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "sglang_kvbm.ops.cli", "doctor", *args], env=env, capture_output=True,
                           text=True, timeout=120)
 
 
@@ -166,7 +166,7 @@ def test_license_is_an_spdx_expression_with_its_file():
 
 
 def test_version_module_imports_neither_sglang_nor_torch():
-    code = "import sys, sglang_kvbm.versions; print([m for m in ('sglang', 'torch') if m in sys.modules])"
+    code = "import sys, sglang_kvbm.ops.versions; print([m for m in ('sglang', 'torch') if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
 

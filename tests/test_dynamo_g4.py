@@ -26,10 +26,10 @@ import requests
 import zmq
 
 from conftest import LOGPROB_TOLERANCE
-from sglang_kvbm.backends.mooncake.events import announced, list_keys
 from sglang_kvbm.testing.dynamo import DynamoFrontend, DynamoWorker, dynamo_python
 from sglang_kvbm.testing.model import prompt_ids
 from sglang_kvbm.testing.mooncake import MooncakeCluster
+from sglang_kvbm.tiers.mooncake.events import announced, list_keys
 
 pytestmark = pytest.mark.server
 

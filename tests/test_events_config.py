@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from sglang_kvbm.config import ConfigError
-from sglang_kvbm.events_config import DEFAULTS, check_kv_events_config
+from sglang_kvbm.config.events import DEFAULTS, check_kv_events_config
 
 ZMQ = {"publisher": "zmq"}
 
@@ -177,7 +177,7 @@ def test_page_size_must_be_positive(page_size):
 
 
 def test_imports_no_sglang():
-    code = "import sys, sglang_kvbm.events_config; print([m for m in ('sglang', 'torch', 'zmq') if m in sys.modules])"
+    code = "import sys, sglang_kvbm.config.events; print([m for m in ('sglang', 'torch', 'zmq') if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
 

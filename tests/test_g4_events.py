@@ -14,8 +14,8 @@ import msgspec
 import pytest
 import zmq
 
-from sglang_kvbm.backends.mooncake.events import EventRelay, announced
 from sglang_kvbm.testing.mooncake import MooncakeCluster
+from sglang_kvbm.tiers.mooncake.events import EventRelay, announced
 
 TAG = "kvbm-0123456789abcdef_org-tiny"
 PAGE_HASH = "ab" * 32
@@ -107,9 +107,9 @@ def test_relay_survives_the_master_going_away(cluster):
 def test_the_worker_registers_the_names_its_ranks_write():
     from types import SimpleNamespace
 
-    from sglang_kvbm.backends.mooncake.store import G4Settings, G4Store, object_suffix
-    from sglang_kvbm.integration.dynamo_registration import registration
+    from sglang_kvbm.integration.dynamo.registration import registration
     from sglang_kvbm.integration.sglang.l3_layout import layout
+    from sglang_kvbm.tiers.mooncake.store import G4Settings, G4Store, object_suffix
 
     g4 = G4Store(G4Settings("127.0.0.1:1", "P2PHANDSHAKE"), fingerprint=bytes(range(32)), model_name="org/tiny",
                  suffix=object_suffix(0), page_size=4, block_bytes=64)

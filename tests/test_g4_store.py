@@ -16,11 +16,11 @@ import time
 import pytest
 import torch
 
-from sglang_kvbm.backends.mooncake import listeners
-from sglang_kvbm.backends.mooncake.store import G4Settings, G4Store, key_prefix, object_suffix
 from sglang_kvbm.core.ports import BlockMeta, EventIdentity
-from sglang_kvbm.kv_layout import aligned_empty
 from sglang_kvbm.testing.mooncake import MooncakeCluster
+from sglang_kvbm.tiers.mooncake import listeners
+from sglang_kvbm.tiers.mooncake.store import G4Settings, G4Store, key_prefix, object_suffix
+from sglang_kvbm.transfer.host_memory import aligned_empty
 
 PAGE, BLOCK = 4, 8192
 IDENTITY = bytes(range(16))
@@ -131,7 +131,7 @@ def test_a_write_goes_under_the_identity_it_names_and_a_closed_store_stays_close
 
 def test_connect_logs_the_listeners_the_client_opened_and_where(cluster, caplog):
     """Mooncake binds a client's two transfer listeners to every address: each connect says which they are."""
-    caplog.set_level(logging.INFO, logger="sglang_kvbm.backends.mooncake.store")
+    caplog.set_level(logging.INFO, logger="sglang_kvbm.tiers.mooncake.store")
     before = listeners.own_listeners()
     worker = Worker(cluster)  # kept: a client dropped closes its listeners
     lines = [r.getMessage() for r in caplog.records if "G4 client listens on" in r.getMessage()]
@@ -151,7 +151,7 @@ def test_connect_never_fails_for_its_log_line(cluster, caplog, monkeypatch):
         raise OSError("no /proc here")
 
     monkeypatch.setattr(listeners, "own_listeners", broken)
-    caplog.set_level(logging.INFO, logger="sglang_kvbm.backends.mooncake.store")
+    caplog.set_level(logging.INFO, logger="sglang_kvbm.tiers.mooncake.store")
     worker = Worker(cluster)  # asserts connect() is True
     assert worker.write({"p0": 1}) == [True]
     assert not [r for r in caplog.records if "G4 client listens on" in r.getMessage()]

@@ -19,14 +19,15 @@ from concurrent.futures import wait
 import pytest
 import torch
 
-from sglang_kvbm.backends.local import copies
-from sglang_kvbm.backends.local.disk.setup import probe
-from sglang_kvbm.backends.local.disk.store import DiskStore
-from sglang_kvbm.backends.local.manager import LocalBlockManager
-from sglang_kvbm.backends.mooncake.store import G4Settings, G4Store
 from sglang_kvbm.core.ports import BlockMeta, StoreRequest
-from sglang_kvbm.kv_layout import PagedKvLayout, aligned_empty
 from sglang_kvbm.testing.mooncake import MooncakeCluster
+from sglang_kvbm.tiers.disk.setup import probe
+from sglang_kvbm.tiers.disk.store import DiskStore
+from sglang_kvbm.tiers.manager import LocalBlockManager
+from sglang_kvbm.tiers.mooncake.store import G4Settings, G4Store
+from sglang_kvbm.transfer import copies
+from sglang_kvbm.transfer.host_memory import aligned_empty
+from sglang_kvbm.transfer.kv_layout import PagedKvLayout
 
 PAGE, PAGES = 4, 16
 IDENTITY, REKEYED = bytes(range(16)), bytes(range(16, 32))

@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-from sglang_kvbm.layer_counter import LayerCounter
+from sglang_kvbm.transfer.layer_counter import LayerCounter
 
 
 def _waiter(counter, layer):

@@ -1,7 +1,11 @@
-"""The core imports neither SGLang, kvbm nor zmq (nor torch): only the adapters do."""
+"""The core imports neither SGLang, kvbm nor zmq (nor torch): only the adapters do; no two modules import each other."""
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
+
+import sglang_kvbm
 
 
 def printed_by(*lines: str) -> str:
@@ -32,7 +36,88 @@ def test_the_gpu_path_imports_torch_and_this_package_only():
     assert printed_by(
         "import torch",
         "before = set(sys.modules)",
-        "import sglang_kvbm.backends.local.manager, sglang_kvbm.backends.local.layer_loader",
-        "import sglang_kvbm.layer_counter, sglang_kvbm.cuda_copies, sglang_kvbm.kv_layout",
+        "import sglang_kvbm.tiers.manager, sglang_kvbm.transfer.layer_loader",
+        "import sglang_kvbm.transfer.layer_counter, sglang_kvbm.transfer.cuda_copies, sglang_kvbm.transfer.kv_layout",
         "print(sorted({m.split('.')[0] for m in set(sys.modules) - before} - {'sglang_kvbm'}))",
     ) == "[]"
+
+
+def _imports() -> dict[str, set[str]]:
+    """Every module of the package -> the package's modules it imports, from every import statement (those in
+    functions and under ``TYPE_CHECKING`` too: they tie the modules together all the same)."""
+    root = Path(sglang_kvbm.__file__).parent
+    modules = {}
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        package = parts[-1] == "__init__"
+        modules[".".join(parts[:-1] if package else parts)] = (path, package)
+    edges: dict[str, set[str]] = {name: set() for name in modules}
+    for name, (path, package) in modules.items():
+        here = name if package else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges[name].update(a.name for a in node.names if a.name in modules)
+            elif isinstance(node, ast.ImportFrom):
+                source = node.module or ""
+                if node.level:
+                    base = here
+                    for _ in range(node.level - 1):
+                        base = base.rpartition(".")[0]
+                    source = f"{base}.{source}" if source else base
+                for alias in node.names:
+                    target = f"{source}.{alias.name}"
+                    edges[name].add(target if target in modules else source)
+        edges[name] &= modules.keys()
+        edges[name].discard(name)
+    return edges
+
+
+def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for start in edges:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(edges[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_circle_finder_finds_a_circle():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    assert _circles(_imports()) == []

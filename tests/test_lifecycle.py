@@ -146,9 +146,9 @@ def test_lru_pop_victims_matches_a_plain_model_of_the_policy():
 
 def test_a_host_row_pinned_by_two_holders_is_reused_only_after_both_let_go():
     """A disk write and a G4 write pin one row; the tiers are forgotten; the first to end must not free the row."""
-    from sglang_kvbm.backends.local.host_pool import HostBlockPool
     from sglang_kvbm.core.ports import BlockMeta
-    from sglang_kvbm.kv_layout import aligned_empty
+    from sglang_kvbm.tiers.host.pool import HostBlockPool
+    from sglang_kvbm.transfer.host_memory import aligned_empty
 
     pool = HostBlockPool(aligned_empty((2, 4096)))
     rows, _ = pool.reserve(["x"])
@@ -171,8 +171,8 @@ def test_pinned_host_memory_is_unregistered_before_it_is_unmapped(monkeypatch):
     import gc
     import weakref
 
-    from sglang_kvbm import cuda_copies
-    from sglang_kvbm.kv_layout import aligned_empty
+    from sglang_kvbm.transfer import cuda_copies
+    from sglang_kvbm.transfer.host_memory import aligned_empty
 
     def mapped(address: int) -> bool:
         with open("/proc/self/maps") as maps:

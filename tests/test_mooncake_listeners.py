@@ -6,8 +6,8 @@ import socket
 
 import pytest
 
-from sglang_kvbm.backends.mooncake import listeners
-from sglang_kvbm.backends.mooncake.listeners import Listener, describe_client, flag, rpc_port_range
+from sglang_kvbm.tiers.mooncake import listeners
+from sglang_kvbm.tiers.mooncake.listeners import Listener, describe_client, flag, rpc_port_range
 
 
 def bound(host: str) -> socket.socket:

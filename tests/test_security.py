@@ -26,10 +26,10 @@ import torch
 import xxhash
 
 from conftest import build_stack
-from sglang_kvbm.backends.local.disk.format import MAGIC as HEADER_MAGIC
-from sglang_kvbm.backends.local.disk.setup import probe
 from sglang_kvbm.config import ConfigError
 from sglang_kvbm.testing.server import free_port
+from sglang_kvbm.tiers.disk.format import MAGIC as HEADER_MAGIC
+from sglang_kvbm.tiers.disk.setup import probe
 from test_disk_tier import disk_removed, event_hash, header_offset, load_exact, on_disk_only, segment_path
 
 pytestmark = pytest.mark.usefixtures("loads_wait_for_their_reads")  # what a load serves, not how long it waits

@@ -73,7 +73,7 @@ def kvbm_run(model_dir, tmp_path_factory):
         batches = replay(replay_endpoint)  # after the listener stopped: everything it saw is in here
         stalled.close(linger=0)
         cli = subprocess.run(
-            [sys.executable, "-m", "sglang_kvbm.cli", "events", endpoint, "--replay", replay_endpoint, "--seconds", "1"],
+            [sys.executable, "-m", "sglang_kvbm.ops.cli", "events", endpoint, "--replay", replay_endpoint, "--seconds", "1"],
             capture_output=True, text=True, timeout=120,
         )
         yield SimpleNamespace(results=results, batches=batches, log=log.read_text(), live=live, cli=cli,

@@ -10,10 +10,10 @@ import random
 
 import torch
 
-from sglang_kvbm.backends.local.manager import LocalBlockManager
-from sglang_kvbm.backends.local.sidecars import SidecarStores
 from sglang_kvbm.core.ports import BlockMeta, StoreRequest
-from sglang_kvbm.kv_layout import PagedKvLayout
+from sglang_kvbm.tiers.manager import LocalBlockManager
+from sglang_kvbm.tiers.sidecars import SidecarStores
+from sglang_kvbm.transfer.kv_layout import PagedKvLayout
 
 
 def manager(pages: int = 64, host: int = 0) -> LocalBlockManager:

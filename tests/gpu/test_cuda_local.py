@@ -15,14 +15,15 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-from sglang_kvbm import cuda_copies  # noqa: E402
-from sglang_kvbm.backends.local.lanes import LaneExecutor  # noqa: E402
-from sglang_kvbm.backends.local.layer_loader import LayerLoader  # noqa: E402
-from sglang_kvbm.backends.local.manager import LocalBlockManager  # noqa: E402
 from sglang_kvbm.core.identity import chain_hashes  # noqa: E402
 from sglang_kvbm.core.ports import BlockMeta, StoreRequest  # noqa: E402
-from sglang_kvbm.kv_layout import PagedKvLayout, index  # noqa: E402
-from sglang_kvbm.layer_counter import LayerCounter  # noqa: E402
+from sglang_kvbm.tiers.manager import LocalBlockManager  # noqa: E402
+from sglang_kvbm.transfer import cuda_copies  # noqa: E402
+from sglang_kvbm.transfer.indexes import index  # noqa: E402
+from sglang_kvbm.transfer.kv_layout import PagedKvLayout  # noqa: E402
+from sglang_kvbm.transfer.lanes import LaneExecutor  # noqa: E402
+from sglang_kvbm.transfer.layer_counter import LayerCounter  # noqa: E402
+from sglang_kvbm.transfer.layer_loader import LayerLoader  # noqa: E402
 
 PAGE = 16
 

@@ -46,4 +46,4 @@ if _HOLD and _RECORD:
 
         loader_cls.__init__ = init
 
-    patch_on_import({"sglang_kvbm.backends.local.layer_loader": _patch})
+    patch_on_import({"sglang_kvbm.transfer.layer_loader": _patch})

@@ -26,8 +26,8 @@ from typing import Optional
 
 import requests
 
-from sglang_kvbm.backends.mooncake.probe import unreachable_endpoints
 from sglang_kvbm.testing.server import free_port, stop_group
+from sglang_kvbm.tiers.mooncake.probe import unreachable_endpoints
 
 
 def binary(name: str) -> Path:
@@ -90,7 +90,7 @@ class MooncakeCluster:
         """``sglang-kvbm mooncake-events`` beside the master (this interpreter's): the endpoint routers subscribe to."""
         self.events_endpoint = f"tcp://127.0.0.1:{free_port()}"
         self.relay = self._spawn([
-            sys.executable, "-m", "sglang_kvbm.cli", "mooncake-events", f"--master-http=127.0.0.1:{self.admin_port}",
+            sys.executable, "-m", "sglang_kvbm.ops.cli", "mooncake-events", f"--master-http=127.0.0.1:{self.admin_port}",
             f"--bind={self.events_endpoint}", f"--interval={interval}",
         ], "relay")
         return self.events_endpoint

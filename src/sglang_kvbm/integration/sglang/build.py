@@ -18,10 +18,6 @@ from typing import Any, Mapping, Optional
 
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
-from sglang_kvbm.backends.local.disk.setup import probe
-from sglang_kvbm.backends.local.disk.store import DiskStore
-from sglang_kvbm.backends.local.manager import LocalBlockManager
-from sglang_kvbm.backends.local.sidecars import SidecarStores
 from sglang_kvbm.config import GIB, ConfigError, KvbmConfig
 from sglang_kvbm.core.content_digest import DigestCache
 from sglang_kvbm.core.offload_filter import FrequencyFilter
@@ -29,7 +25,11 @@ from sglang_kvbm.core.onboard_policy import OnboardPolicy
 from sglang_kvbm.integration.sglang import l3_layout
 from sglang_kvbm.integration.sglang.fingerprint import model_identity, server_fingerprint
 from sglang_kvbm.integration.sglang.pool_group import PoolGroup, describe_pools
-from sglang_kvbm.kv_layout import PagedKvLayout
+from sglang_kvbm.tiers.disk.setup import probe
+from sglang_kvbm.tiers.disk.store import DiskStore
+from sglang_kvbm.tiers.manager import LocalBlockManager
+from sglang_kvbm.tiers.sidecars import SidecarStores
+from sglang_kvbm.transfer.kv_layout import PagedKvLayout
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ def _g4(config: KvbmConfig, identity: Identity, group: PoolGroup, layout: PagedK
     """The shared tier's client (it connects on the G4 thread, retrying while the master does not answer)."""
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
-    from sglang_kvbm.backends.mooncake.store import G4Settings, G4Store, object_suffix
+    from sglang_kvbm.tiers.mooncake.store import G4Settings, G4Store, object_suffix
 
     if importlib.util.find_spec("mooncake") is None:
         raise ConfigError("SGLANG_KVBM_MOONCAKE_MASTER is set but Mooncake's client is not installed in this "

@@ -34,9 +34,9 @@ import uuid
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from sglang_kvbm.backends.local.disk.format import FORMAT_VERSION
 from sglang_kvbm.core.content_digest import DigestCache
-from sglang_kvbm.kv_layout import PagedKvLayout
+from sglang_kvbm.tiers.disk.format import FORMAT_VERSION
+from sglang_kvbm.transfer.kv_layout import PagedKvLayout
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 # Besides weights: configs (model, quantization, generation), tokenizer files and remote code.

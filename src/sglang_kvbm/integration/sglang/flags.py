@@ -19,7 +19,7 @@ import sys
 from typing import Any, Optional
 
 from sglang_kvbm.config import ConfigError, KvbmConfig
-from sglang_kvbm.events_config import check_kv_events_config
+from sglang_kvbm.config.events import check_kv_events_config
 
 BACKEND_NAME = "kvbm"
 SOURCE = "sglang-kvbm"
@@ -69,7 +69,7 @@ def translate(server_args: Any) -> None:
     events = check_kv_events_config(cfg.kv_events_config, cfg.page_size or 1)  # the page size may be unresolved yet
     warn_if_dynamo_will_not_connect(events)
     if config.has_g4 and "dynamo.sglang" in sys.modules:  # Dynamo's router learns G4's names from the registration
-        from sglang_kvbm.integration.dynamo_registration import install
+        from sglang_kvbm.integration.dynamo.registration import install
 
         install()
     declare_resolution(
@@ -114,7 +114,7 @@ def check_installed_sglang() -> None:
     """Refuse an SGLang outside the supported range, naming both (the linker contract changes between versions)."""
     from importlib import metadata
 
-    from sglang_kvbm.versions import check_sglang_version
+    from sglang_kvbm.ops.versions import check_sglang_version
 
     check_sglang_version(metadata.version("sglang"))
 

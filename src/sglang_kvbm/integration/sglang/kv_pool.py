@@ -1,4 +1,4 @@
-"""SGLang's device KV pool as a :class:`~sglang_kvbm.kv_layout.PagedKvLayout`."""
+"""SGLang's device KV pool as a :class:`~sglang_kvbm.transfer.kv_layout.PagedKvLayout`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 import torch
 from sglang.srt.mem_cache.memory_pool import KVCache, MHATokenToKVPool, MLATokenToKVPool
 
-from sglang_kvbm.kv_layout import PagedKvLayout
+from sglang_kvbm.transfer.kv_layout import PagedKvLayout
 
 
 class UnsupportedPoolError(TypeError):

@@ -7,7 +7,7 @@ object names' prefix and suffixes, so a router can derive them from request
 tokens. With this library SGLang's HiCache is off, so the scheduler would say
 "disabled"; :func:`advertise` makes it describe this library's G4 objects
 instead, in the same shape, plus the ``extra_backend_tag`` Dynamo 1.6.1's
-registration asks for (:mod:`sglang_kvbm.integration.dynamo_registration`).
+registration asks for (:mod:`sglang_kvbm.integration.dynamo.registration`).
 
 The layout is told once, at start-up: after a weight update re-keys G4
 (``weight_updates``), a router keeps deriving the old names and sees no shared
@@ -23,7 +23,7 @@ TAG_KEY = "extra_backend_tag"
 
 def layout(g4: Any, *, page_size: int, tp_size: int, pp_size: int, mla: bool) -> dict:
     """SGLang's L3 layout dict for the objects ``g4`` (a ``G4Store``) and the worker's other ranks write."""
-    from sglang_kvbm.backends.mooncake.store import object_suffix
+    from sglang_kvbm.tiers.mooncake.store import object_suffix
 
     if mla:
         suffixes = sorted({object_suffix(0, mla=True, pp_rank=p, pp_size=pp_size) for p in range(pp_size)})

@@ -33,8 +33,6 @@ from typing import Optional
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 from sglang.srt.mem_cache.unified_cache.unified_cache_linker import UnifiedCacheLinker
 
-from sglang_kvbm.backends.local.layer_loader import LayerLoader
-from sglang_kvbm.backends.local.load_batches import LoadBatches
 from sglang_kvbm.config import KvbmConfig
 from sglang_kvbm.core.connector import KvbmConnector
 from sglang_kvbm.core.ports import StoreRequest
@@ -53,6 +51,8 @@ from sglang_kvbm.integration.sglang.pool_transfers import (
 from sglang_kvbm.integration.sglang.ranks import LinkerSetup, check_components, setup_of
 from sglang_kvbm.integration.sglang.tier_query import TierQueries, TierTokens, tier_tokens
 from sglang_kvbm.integration.sglang.worker_counter import KvbmLayerCounter
+from sglang_kvbm.transfer.layer_loader import LayerLoader
+from sglang_kvbm.transfer.load_batches import LoadBatches
 
 logger = logging.getLogger(__name__)
 # Installed when this module is imported (SGLang imports it to build the linker, before adopting it), not in a
@@ -83,7 +83,7 @@ class KvbmLinker(UnifiedCacheLinker):
         self.orderer = EventOrderer()
         self.metrics = None
         if config.metrics and self.setup.serves_endpoint:
-            from sglang_kvbm.metrics import KvbmMetrics
+            from sglang_kvbm.observe.metrics import KvbmMetrics
 
             self.metrics = KvbmMetrics(self._metrics_snapshot)
         extra = extra_config or {}
@@ -110,7 +110,7 @@ class KvbmLinker(UnifiedCacheLinker):
         self.offloads_refused_outside_insert = 0
         self.endpoint = None
         if self.metrics is not None:
-            from sglang_kvbm.integration.sglang.endpoint import start_http
+            from sglang_kvbm.observe.endpoint import start_http
 
             self.endpoint = start_http(self, config, self.metrics, port_offset=self.setup.dp_rank)
         self._published_at = 0.0
@@ -201,7 +201,7 @@ class KvbmLinker(UnifiedCacheLinker):
             now = time.monotonic()
             if now - self._published_at >= PUBLISH_INTERVAL_S:  # the idle scheduler loops without pause
                 self._published_at = now
-                from sglang_kvbm.integration.sglang.endpoint import stats_of
+                from sglang_kvbm.observe.endpoint import stats_of
 
                 self.connector.publish(stats_of(self))
         return count
@@ -309,6 +309,6 @@ class KvbmLinker(UnifiedCacheLinker):
         return self.queries.ask(token_ids, extra_key=extra_key, cache_salt=cache_salt, timeout=timeout)
 
     def _metrics_snapshot(self) -> dict:
-        from sglang_kvbm.integration.sglang.endpoint import metrics_of
+        from sglang_kvbm.observe.endpoint import metrics_of
 
         return metrics_of(self.connector.snapshot())

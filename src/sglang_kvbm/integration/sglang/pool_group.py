@@ -32,7 +32,7 @@ from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
 from sglang_kvbm.integration.sglang.kv_pool import UnsupportedPoolError, pool_buffers
-from sglang_kvbm.kv_layout import PagedKvLayout
+from sglang_kvbm.transfer.kv_layout import PagedKvLayout
 
 SWA, MAMBA = "swa", "mamba"
 MAMBA_STATE_TOKENS = 512  # the tiers size one Mamba state per this many tokens of KV (one per node, not per page)

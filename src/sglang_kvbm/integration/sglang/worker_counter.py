@@ -9,7 +9,7 @@ which the disk onboarding policy then times prefill.
 from __future__ import annotations
 
 from sglang_kvbm.integration.sglang.prefill_meter import attach_prefill_meter
-from sglang_kvbm.layer_counter import LayerCounter
+from sglang_kvbm.transfer.layer_counter import LayerCounter
 
 
 class KvbmLayerCounter(LayerCounter):

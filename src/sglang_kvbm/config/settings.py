@@ -1,0 +1,313 @@
+"""One frozen configuration, built once at start-up from KVBM's environment variables.
+
+Variable names are KVBM's own (``DYN_KVBM_*``), so a deployment that already
+configures KVBM for vLLM or TensorRT-LLM configures this library the same way;
+``--kvbm-config`` (JSON) overrides them with the same settings.
+Every value is parsed and range-checked here; a bad one raises
+:class:`ConfigError` naming the variable and how to fix it, before any memory
+is allocated or any request is served.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import logging
+import os
+from typing import Any, Callable, Mapping, Optional
+
+from sglang_kvbm.config.values import (  # ConfigError: everyone imports it from here
+    ConfigError,
+    JsonKey,
+    _address,
+    _block_size,
+    _bool,
+    _directory,
+    _file_path,
+    _gib_or_zero,
+    _host,
+    _identity_name,
+    _metadata_url,
+    _mooncake_environment,
+    _port,
+    _positive_float,
+    _positive_int,
+    _priority,
+    _protocol,
+    _wait_ms,
+)
+
+logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class _Var:
+    env: str
+    field: str
+    parse: Callable[[str, str], Any]
+    doc: str
+    text: bool = False  # a path or an address: in JSON, only a string (a number or true is a mistake)
+
+
+# The variables this library reads, in the order a person would set them.
+_VARS: tuple[_Var, ...] = (
+    _Var("DYN_KVBM_CPU_CACHE_GB", "cpu_cache_gb", _positive_float, "host (G2) tier size in GiB"),
+    _Var(
+        "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS",
+        "cpu_cache_blocks",
+        _positive_int,
+        "host (G2) tier size in blocks; overrides DYN_KVBM_CPU_CACHE_GB",
+    ),
+    _Var("DYN_KVBM_DISK_CACHE_GB", "disk_cache_gb", _positive_float, "disk (G3) tier size in GiB"),
+    _Var(
+        "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS",
+        "disk_cache_blocks",
+        _positive_int,
+        "disk (G3) tier size in blocks; overrides DYN_KVBM_DISK_CACHE_GB",
+    ),
+    _Var("DYN_KVBM_DISK_CACHE_DIR", "disk_cache_dir", _directory, "where the disk tier's files live (default /tmp)",
+         text=True),
+    _Var(
+        "DYN_KVBM_DISK_ZEROFILL_FALLBACK",
+        "disk_zerofill_fallback",
+        _bool,
+        "preallocate disk files by writing zeros where fallocate is unsupported (e.g. Lustre)",
+    ),
+    _Var(
+        "DYN_KVBM_DISK_DISABLE_O_DIRECT",
+        "disk_disable_o_direct",
+        _bool,
+        "use buffered I/O where the filesystem rejects O_DIRECT",
+    ),
+    _Var(
+        "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER",
+        "disable_disk_offload_filter",
+        _bool,
+        "write every host block to disk, not only reused ones (shortens SSD life)",
+    ),
+    _Var("DYN_KVBM_METRICS", "metrics", _bool, "serve Prometheus metrics and /tiers on DYN_KVBM_METRICS_PORT"),
+    _Var("DYN_KVBM_METRICS_PORT", "metrics_port", _port, "port of the metrics endpoint (default 6880)"),
+    _Var("SGLANG_KVBM_HTTP_HOST", "http_host", _host, "address the metrics endpoint binds (default 127.0.0.1)",
+         text=True),
+    _Var(
+        "SGLANG_KVBM_ROUTER_BLOCK_SIZE",
+        "router_block_size",
+        _block_size,
+        "the block size Dynamo's router runs with; start-up fails unless it equals the page size",
+    ),
+    _Var(
+        "DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY",
+        "host_offload_min_priority",
+        _priority,
+        "requests below this priority (0-100) are not offloaded to host",
+    ),
+    _Var("SGLANG_KVBM_LOAD_WAIT_MS", "load_wait_ms", _wait_ms,
+         "the least a load waits for its own disk and G4 reads before the request recomputes them (default 50 ms, "
+         "plus 3x what the read meter expects; a first G4 read 500)"),
+    _Var(
+        "DYN_KVBM_CACHE_STATS_MAX_REQUESTS",
+        "cache_stats_max_requests",
+        _positive_int,
+        "requests in the sliding window of the host and disk hit rates (default 1000)",
+    ),
+    _Var("SGLANG_KVBM_MOONCAKE_MASTER", "mooncake_master", _address,
+         "Mooncake master host:port; setting it turns on the tier shared by every worker (G4)", text=True),
+    _Var("SGLANG_KVBM_MOONCAKE_METADATA", "mooncake_metadata", _metadata_url,
+         "P2PHANDSHAKE (no metadata server), or a Mooncake metadata server's URL", text=True),
+    _Var("SGLANG_KVBM_MOONCAKE_PROTOCOL", "mooncake_protocol", _protocol, "tcp (default) or rdma", text=True),
+    _Var("SGLANG_KVBM_MOONCAKE_SEGMENT_GB", "mooncake_segment_gb", _gib_or_zero,
+         "memory this worker lends the store (default 0: a standalone store process lends it)"),
+    _Var("SGLANG_KVBM_MOONCAKE_OFFLOAD_FILTER", "mooncake_offload_filter", _bool,
+         "write a block to G4 only once it was reused (KVBM's frequency filter), not every stored block"),
+    _Var("SGLANG_KVBM_MODEL_IDENTITY", "model_identity", _identity_name,
+         "names the model's weights (a version you vouch for) instead of their content digest, read at first start",
+         text=True),
+    _Var("SGLANG_KVBM_DIGEST_CACHE", "digest_cache", _file_path,
+         "file caching the model files' content digests (default ~/.cache/sglang-kvbm/digests.json)", text=True),
+)
+_BY_ENV = {v.env: v for v in _VARS}
+
+# KVBM variables that belong to parts this library does not run (or runs through
+# the kvbm package itself); accepted without a warning.
+_KVBM_PASSTHROUGH = frozenset({"DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS"})
+
+
+def _blocks(count: Optional[int], gib: Optional[float], block_bytes: int, gib_var: str) -> int:
+    if count is not None:
+        return count
+    if gib is None:
+        return 0
+    blocks = int(gib * GIB) // block_bytes
+    if blocks == 0:
+        raise ConfigError(
+            f"{gib_var}={gib} holds no block of {block_bytes} bytes: raise it to at least {block_bytes / GIB:.6f}"
+        )
+    return blocks
+
+
+class _Pairs(list):
+    """A JSON object as its ``(key, value)`` pairs, in order, duplicates kept."""
+
+
+def _json_var(key: str) -> _Var:
+    by_field = {v.field: v for v in _VARS}
+    var = _BY_ENV.get(key) or by_field.get(str(key).lower())
+    if var is None:
+        close = difflib.get_close_matches(str(key), list(by_field) + list(_BY_ENV), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(
+            f"--kvbm-config key {key!r} is unknown: {hint}remove it, or use one of {', '.join(sorted(by_field))}"
+        )
+    return var
+
+
+def _json_text(var: _Var, key: str, raw: Any) -> str:
+    """A JSON value as the text the environment would carry, or a ConfigError naming the key."""
+    if isinstance(raw, bool) and not var.text:
+        return "true" if raw else "false"
+    if isinstance(raw, str):
+        if not raw.strip():
+            raise ConfigError(f"--kvbm-config key {key!r} is empty: set a value, or leave the key out for the default")
+        return raw.strip()
+    if var.text or raw is None or isinstance(raw, (bool, list, dict)):
+        kind = "a string" if var.text else "a number, string or boolean"
+        shown = json.dumps(dict(raw) if isinstance(raw, _Pairs) else raw)
+        raise ConfigError(f"--kvbm-config key {key!r} needs {kind}, got {shown}: set it to {kind}, "
+                          "or leave the key out for the default")
+    return str(raw)
+
+
+@dataclasses.dataclass(frozen=True)
+class KvbmConfig:
+    """What the tiers look like. Build it with :meth:`from_env` (or directly, in code)."""
+
+    cpu_cache_gb: Optional[float] = None
+    cpu_cache_blocks: Optional[int] = None
+    disk_cache_gb: Optional[float] = None
+    disk_cache_blocks: Optional[int] = None
+    disk_cache_dir: str = "/tmp"
+    disk_zerofill_fallback: bool = False
+    disk_disable_o_direct: bool = False
+    disable_disk_offload_filter: bool = False
+    metrics: bool = False
+    metrics_port: int = 6880
+    http_host: str = "127.0.0.1"
+    router_block_size: Optional[int] = None
+    host_offload_min_priority: int = 0
+    cache_stats_max_requests: int = 1000
+    load_wait_ms: Optional[float] = None
+    mooncake_master: Optional[str] = None
+    mooncake_metadata: Optional[str] = None
+    mooncake_protocol: str = "tcp"
+    mooncake_segment_gb: float = 0.0
+    mooncake_offload_filter: bool = False
+    model_identity: Optional[str] = None
+    digest_cache: Optional[str] = None
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "KvbmConfig":
+        """Read every ``DYN_KVBM_*`` variable this library knows; raise on a bad one."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for name, raw in environ.items():
+            if not name.startswith(("DYN_KVBM_", "SGLANG_KVBM_")):
+                continue
+            var = _BY_ENV.get(name)
+            if var is None and name.startswith("SGLANG_KVBM_"):
+                close = difflib.get_close_matches(name, list(_BY_ENV), n=1)
+                hint = f"; did you mean {close[0]}?" if close else ""
+                raise ConfigError(f"{name} is not a setting of sglang-kvbm: remove it{hint}")
+            if var is None:
+                if name not in _KVBM_PASSTHROUGH:
+                    close = difflib.get_close_matches(name, list(_BY_ENV) + list(_KVBM_PASSTHROUGH), n=1)
+                    hint = f" (did you mean {close[0]}?)" if close else ""
+                    logger.warning("kvbm: %s is not a variable sglang-kvbm reads; ignoring it%s", name, hint)
+                continue
+            if raw.strip() == "":
+                continue
+            values[var.field] = var.parse(name, raw.strip())
+        return cls(**values)._checked(environ)
+
+    @classmethod
+    def from_sources(cls, environ: Optional[Mapping[str, str]] = None, json_text: Optional[str] = None) -> "KvbmConfig":
+        """The environment, overridden by a ``--kvbm-config`` JSON object with the same settings.
+
+        JSON keys are the variable names (``"DYN_KVBM_CPU_CACHE_GB"``) or the field
+        names (``"cpu_cache_gb"``); values go through the same parsing as the
+        environment's. An unknown key, a setting given twice, an empty value, and a
+        number where a path or an address belongs are errors.
+        """
+        config = cls.from_env(environ)
+        if not json_text:
+            return config
+        try:
+            pairs = json.loads(json_text, object_pairs_hook=_Pairs)  # pairs, so a key given twice is seen
+        except ValueError as exc:
+            raise ConfigError(f"--kvbm-config is not valid JSON ({exc}): pass an object, e.g. '{{\"cpu_cache_gb\": 4}}'") from None
+        if not isinstance(pairs, _Pairs):
+            raise ConfigError("--kvbm-config must be a JSON object: pass one, e.g. '{\"cpu_cache_gb\": 4}'")
+        values: dict[str, Any] = {}
+        given: dict[str, str] = {}  # field -> the key that set it
+        for key, raw in pairs:
+            var = _json_var(key)
+            if var.field in given:
+                raise ConfigError(
+                    f"--kvbm-config sets {var.field} more than once ({given[var.field]!r} and {key!r}): "
+                    "remove one of them"
+                )
+            given[var.field] = key
+            values[var.field] = var.parse(JsonKey(key), _json_text(var, key, raw))
+        return dataclasses.replace(config, **values)._checked(os.environ if environ is None else environ)
+
+    def _checked(self, environ: Mapping[str, str]) -> "KvbmConfig":  # Mooncake's own variables that break G4
+        if self.has_g4:
+            _mooncake_environment(environ, self.mooncake_metadata)
+        return self
+
+    def host_blocks(self, block_bytes: int) -> int:
+        """Blocks in the host tier for blocks of ``block_bytes`` (0 when the tier is off)."""
+        return _blocks(self.cpu_cache_blocks, self.cpu_cache_gb, block_bytes, "DYN_KVBM_CPU_CACHE_GB")
+
+    def disk_blocks(self, slot_bytes: int) -> int:
+        """Blocks in the disk tier for slots of ``slot_bytes`` (0 when the tier is off)."""
+        return _blocks(self.disk_cache_blocks, self.disk_cache_gb, slot_bytes, "DYN_KVBM_DISK_CACHE_GB")
+
+    @property
+    def has_host(self) -> bool:
+        return self.cpu_cache_gb is not None or self.cpu_cache_blocks is not None
+
+    @property
+    def has_disk(self) -> bool:
+        return self.disk_cache_gb is not None or self.disk_cache_blocks is not None
+
+    @property
+    def has_g4(self) -> bool:
+        return self.mooncake_master is not None
+
+    def require_a_tier(self) -> None:
+        """Fail when no tier below the device is configured: the backend would do nothing."""
+        if self.has_g4 and not self.has_host:
+            raise ConfigError(
+                "SGLANG_KVBM_MOONCAKE_MASTER (the shared tier) needs a host tier to stage and write through: set "
+                "DYN_KVBM_CPU_CACHE_GB (e.g. DYN_KVBM_CPU_CACHE_GB=4) or DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS"
+            )
+        if self.has_g4 and self.mooncake_metadata is None:
+            raise ConfigError(
+                "SGLANG_KVBM_MOONCAKE_MASTER is set but SGLANG_KVBM_MOONCAKE_METADATA is not: set it to P2PHANDSHAKE "
+                "(clients find each other, no metadata server), or to a metadata server's URL, e.g. "
+                "http://<host>:8080/metadata"
+            )
+        if not self.has_host and not self.has_disk:
+            raise ConfigError(
+                "--radix-cache-backend kvbm needs a tier below the GPU: set DYN_KVBM_CPU_CACHE_GB "
+                "(GiB, e.g. DYN_KVBM_CPU_CACHE_GB=4) or DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS for host "
+                "memory, and/or DYN_KVBM_DISK_CACHE_GB or DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS for disk"
+            )
+
+    @staticmethod
+    def variables() -> tuple[tuple[str, str], ...]:
+        """``(name, meaning)`` of every variable read, for docs and ``doctor``."""
+        return tuple((v.env, v.doc) for v in _VARS)

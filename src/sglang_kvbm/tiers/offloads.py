@@ -1,0 +1,273 @@
+"""Copies down, and their completions: device -> host, device -> disk, host -> disk.
+
+The scheduler thread reserves room and submits; one thread per path copies
+(see ``copies``; each with its own CUDA stream, made before it starts). The
+disk writer serves device -> disk copies (which the tree waits for, in order)
+ahead of background host -> disk writes (see ``lanes``). A
+store's pages go into host rows while rows can be had (least recently used
+host blocks are evicted for them), the rest straight to disk; a host block
+the frequency filter says was reused is written to disk, its row pinned
+meanwhile. :meth:`Offloads.collect` registers what finished, in submission
+order: a page becomes visible (and is announced) only once its bytes are there
+and its parent is held somewhere below.
+
+Completions of a cache generation that was reset or dropped since touch
+nothing of the new one: their blocks were forgotten with the tiers (and the
+pins on their rows with them), so they only give back the rows and slots they
+held. They never unpin by block id, which a newer copy of the same block may
+hold pinned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import operator
+from collections import deque
+from concurrent.futures import Executor, Future
+from itertools import compress
+from typing import Callable, Optional, Sequence
+
+from sglang_kvbm.core.identity import BlockId
+from sglang_kvbm.core.offload_filter import FrequencyFilter
+from sglang_kvbm.core.ports import BlockMeta, StoreRequest, TierEvent, TierEventKind
+from sglang_kvbm.core.tiers import Tier
+from sglang_kvbm.transfer import copies
+from sglang_kvbm.transfer.lanes import LaneExecutor
+
+logger = logging.getLogger(__name__)
+_parent_id = operator.attrgetter("parent_id")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """A copy down: device -> host (``target`` HOST), device -> disk, or host -> disk (``ticket`` None)."""
+
+    ticket: Optional[int]
+    target: Tier
+    ids: tuple[BlockId, ...]
+    slots: tuple  # host rows, or disk reservations
+    generation: int
+    future: Future
+    host_rows: tuple[int, ...] = ()  # host -> disk: the pinned rows it reads
+    metas: tuple[BlockMeta, ...] = ()  # host -> disk: known up front
+
+
+@dataclasses.dataclass
+class LocalStats:
+    stores_submitted: int = 0
+    store_failures: int = 0
+    blocks_not_stored_no_room: int = 0
+    blocks_dropped_unreachable: int = 0
+    disk_writes_submitted: int = 0
+    disk_write_failures: int = 0
+    load_waits: int = 0  # loads that waited for their own disk reads
+    load_waits_expired: int = 0  # of which gave up past the read meter's estimate (the request recomputed)
+    g4_waits_expired: int = 0  # lookups that stopped waiting for a G4 fetch (it stages for a later request)
+
+
+class Offloads:
+    def __init__(self, layout, host, disk, offload_filter: Optional[FrequencyFilter], stats: LocalStats,
+                 emit: Callable[[TierEvent], None], observe: Callable[[str, int, float], None],
+                 executor: Optional[Executor] = None, writer: Optional[LaneExecutor] = None) -> None:
+        """``executor`` (tests) replaces the device -> host worker, ``writer`` the disk writer; one job at a time."""
+        self.layout, self.host, self.disk = layout, host, disk
+        self._filter = offload_filter
+        self.stats = stats
+        self._emit = emit
+        self._observe = observe
+        # Threads start now (their CUDA device and staging with them, not mid-serving).
+        self._offload = executor or LaneExecutor("kvbm-offload", layout.worker_init())
+        self._offload_stream = layout.new_stream()
+        self._writer = (writer or LaneExecutor("kvbm-disk-write", layout.worker_init())) if disk is not None else None
+        self._writer_stream = layout.new_stream() if disk is not None else None
+        self._jobs: deque[_Job] = deque()  # device -> lower tier, in submission order
+        self._writes: deque[_Job] = deque()  # host -> disk
+        self._tickets = itertools.count(1)
+        self._parts: dict[int, list] = {}  # ticket -> [jobs left, every page held]
+        self._done: list[tuple[int, bool]] = []
+        self._generation = 0
+
+    def _removed(self, tier: Tier, metas: Sequence[BlockMeta]) -> None:
+        if metas:
+            self._emit(TierEvent(TierEventKind.REMOVED, tier, tuple(metas)))
+
+    def store(self, request: StoreRequest) -> int:
+        ticket = next(self._tickets)
+        self._parts[ticket] = [0, True]
+        ids = request.block_ids
+        host, disk = self.host, self.disk
+        top = host if host is not None else disk
+        todo = list(compress(range(len(ids)), map(operator.not_, top.held(ids))))
+        if todo and host is not None:
+            rows, evicted = host.reserve([ids[i] for i in todo])
+            self._removed(Tier.HOST, evicted)
+            if rows:
+                positions, todo = todo[: len(rows)], todo[len(rows) :]
+                future = self._offload.submit(
+                    copies.device_to_host, self.layout, self._offload_stream, request, positions, host.slab, rows
+                )
+                self._submit(_Job(ticket, Tier.HOST, tuple(map(ids.__getitem__, positions)), tuple(rows), self._generation,
+                                  future))
+        if todo and disk is not None:
+            todo = list(compress(todo, map(operator.not_, disk.held(list(map(ids.__getitem__, todo))))))
+            reserved, evicted = disk.reserve(list(map(ids.__getitem__, todo)))
+            self._removed(Tier.DISK, evicted)
+            if reserved:
+                positions, todo = todo[: len(reserved)], todo[len(reserved) :]
+                future = self._writer.submit_urgent(
+                    copies.device_to_disk, self.layout, self._writer_stream, disk, request, positions, reserved
+                )
+                self._submit(_Job(ticket, Tier.DISK, tuple(r.block_id for r in reserved), tuple(reserved),
+                                  self._generation, future))
+        if todo:
+            self.stats.blocks_not_stored_no_room += len(todo)
+            self._parts[ticket][1] = False
+        if not self._parts[ticket][0]:
+            self._done.append((ticket, self._parts.pop(ticket)[1]))
+        return ticket
+
+    def _submit(self, job: _Job) -> None:
+        self._jobs.append(job)
+        self._parts[job.ticket][0] += 1
+        self.stats.stores_submitted += 1
+
+    def offer_to_disk(self, metas: Sequence[BlockMeta]) -> None:
+        """Host blocks that earned a disk copy (KVBM's frequency filter): pin their rows, write them."""
+        if self.disk is None or not metas:
+            return
+        if self._filter is not None:
+            metas = [m for m in metas if self._filter.offer(m.block_id)]
+        todo = [m for m in metas if self.host.registered(m.block_id) and not self.disk.holds(m.block_id)]
+        if not todo:
+            return
+        reserved, evicted = self.disk.reserve([m.block_id for m in todo])
+        self._removed(Tier.DISK, evicted)
+        if not reserved:
+            return
+        todo = todo[: len(reserved)]
+        ids = tuple(m.block_id for m in todo)
+        rows = self.host.pin(ids)
+        future = self._writer.submit(copies.host_to_disk, self.disk, reserved, todo, self.host.slab, rows)
+        self._writes.append(_Job(None, Tier.DISK, ids, tuple(reserved), self._generation, future, tuple(rows), tuple(todo)))
+        self.stats.disk_writes_submitted += 1
+
+    def collect(self) -> list[tuple[int, bool]]:
+        """Finished offload tickets, in order, after registering what their copies wrote."""
+        earned: list[BlockMeta] = []
+        while self._jobs and self._jobs[0].future.done():
+            job = self._jobs.popleft()
+            held = self._finish_store(job, earned)
+            part = self._parts.get(job.ticket)
+            if part is not None:
+                part[0] -= 1
+                part[1] = part[1] and held
+                if not part[0]:
+                    del self._parts[job.ticket]
+                    self._done.append((job.ticket, part[1]))
+        while self._writes and self._writes[0].future.done():
+            self._finish_write(self._writes.popleft())
+        self.offer_to_disk(earned)
+        done, self._done = self._done, []
+        return done
+
+    def _finish_store(self, job: _Job, earned: list[BlockMeta]) -> bool:
+        """Register what a device -> host/disk copy wrote; True when all of its pages are held now."""
+        error = _error_of(job.future)
+        pool = self.host if job.target is Tier.HOST else self.disk
+        if job.generation != self._generation or error is not None:
+            if error is not None and error is not _CANCELLED:
+                logger.error("kvbm: device->%s copy of %d blocks failed: %r", job.target.name.lower(), len(job.ids), error)
+                self.stats.store_failures += 1
+            self._abort(job)
+            return False
+        result = job.future.result()
+        metas, seconds = result[0], result[-1]
+        reachable = self._reachable(metas, set(job.ids))
+        if reachable < len(metas):  # a page whose parent is held nowhere below could never be hit
+            self.stats.blocks_dropped_unreachable += len(metas) - reachable
+        keep = metas[:reachable]
+        if job.target is Tier.HOST:
+            pool.abort(job.ids[reachable:], job.slots[reachable:])
+            pool.commit(keep, job.slots[:reachable])
+            self._observe("d2h", reachable * self.layout.page_bytes, seconds)
+            self._emit(TierEvent(TierEventKind.STORED, Tier.HOST, tuple(keep), Tier.DEVICE))
+            earned.extend(keep)
+        else:
+            headers = result[1]
+            self.disk.abort(job.slots[reachable:])
+            registered = self.disk.commit(job.slots[:reachable], headers[:reachable])
+            self._observe("d2d", reachable * self.disk.slot_bytes, seconds)
+            self._emit(TierEvent(TierEventKind.STORED, Tier.DISK, tuple(registered), Tier.DEVICE))
+            reachable = len(registered)
+        return reachable == len(metas)
+
+    def _reachable(self, metas: Sequence[BlockMeta], ids: set) -> int:
+        """How many leading pages have their parent in this copy or held below (registered or on its way).
+
+        Only pages whose parent is outside the copy (usually the first alone) are looked up; finding them is C."""
+        parents = list(map(_parent_id, metas))
+        outside = compress(range(len(metas)), map(operator.not_, map(ids.__contains__, parents)))
+        host, disk = self.host, self.disk
+        for i in outside:
+            parent = parents[i]
+            if parent is None or (host is not None and host.holds(parent)) or (disk is not None and disk.holds(parent)):
+                continue
+            return i
+        return len(metas)
+
+    def _finish_write(self, job: _Job) -> None:
+        if job.generation == self._generation:
+            self.host.unpin(job.ids)
+        self.host.release_orphans(job.host_rows)  # rows of a forgotten generation: free now
+        error = _error_of(job.future)
+        if job.generation != self._generation or error is not None:
+            if error is not None and error is not _CANCELLED:
+                logger.error("kvbm: host->disk write of %d blocks failed: %r", len(job.ids), error)
+                self.stats.disk_write_failures += 1
+            self.disk.abort(job.slots)
+            return
+        headers, seconds = job.future.result()
+        registered = self.disk.commit(job.slots, headers)
+        self._observe("h2d", len(registered) * self.disk.slot_bytes, seconds)
+        self._emit(TierEvent(TierEventKind.STORED, Tier.DISK, tuple(registered), Tier.HOST))
+
+    def _abort(self, job: _Job) -> None:
+        if job.target is Tier.HOST:
+            self.host.abort(job.ids, job.slots)
+        else:
+            self.disk.abort(job.slots)
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    def futures(self) -> list[Future]:
+        return [job.future for job in self._jobs] + [job.future for job in self._writes]
+
+    def reset(self, *, keep_tickets: bool = False) -> None:
+        """A new generation: copies in flight register nothing when they end.
+
+        ``keep_tickets``: the tree still waits for the offloads in flight (the
+        tiers were dropped, the tree was not reset); they complete as not held.
+        Otherwise their tickets are forgotten with the tree's pending offloads.
+        """
+        self._generation += 1
+        if not keep_tickets:
+            self._parts.clear()
+            self._done.clear()
+
+    def shutdown(self) -> None:
+        for executor in (self._offload, self._writer):
+            if executor is not None:
+                executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _error_of(future: Future) -> Optional[BaseException]:
+    if future.cancelled():
+        return _CANCELLED
+    return future.exception()
+
+
+_CANCELLED = RuntimeError("cancelled at shutdown")
