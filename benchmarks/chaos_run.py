@@ -261,10 +261,11 @@ class ChaosPass:
         for reason, n in ((stats.get("disk") or {}).get("invalidated") or {}).items():
             books[f"disk invalidated: {reason}"] = books.get(f"disk invalidated: {reason}", 0) + n
         connector = stats.get("connector") or {}
-        for key in ("onboard_blocks_h2d", "onboard_blocks_d2d", "failed_loads"):
-            books[key] = books.get(key, 0) + connector.get(key, 0)
-        g4 = stats.get("g4") or {}
+        for tier, n in (connector.get("onboard_blocks") or {}).items():  # per tier by name: host, disk, mooncake
+            books[f"onboard {tier}"] = books.get(f"onboard {tier}", 0) + n
+        books["failed_loads"] = books.get("failed_loads", 0) + connector.get("failed_loads", 0)
+        shared = stats.get("mooncake") or {}
         for key in ("staged", "rejected", "misses", "down", "write_through", "rewritten"):
-            if key in g4:
-                books[f"g4 {key}"] = books.get(f"g4 {key}", 0) + g4[key]
+            if key in shared:
+                books[f"mooncake {key}"] = books.get(f"mooncake {key}", 0) + shared[key]
         self.last_stats.pop(worker.name, None)

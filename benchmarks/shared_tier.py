@@ -92,7 +92,7 @@ def run(name: str, workers: list, args) -> Run:
         if name.endswith("G4"):
             stats = requests.get(f"http://127.0.0.1:{w.env['DYN_KVBM_METRICS_PORT']}/stats", timeout=30).json()
             slot = stats["block_bytes"]["host"] + 4096
-            result.g4_bytes += (stats["g4"]["write_through"] + stats["g4"]["staged"]) * slot
+            result.g4_bytes += (stats["mooncake"]["write_through"] + stats["mooncake"]["staged"]) * slot
     return result
 
 

@@ -411,7 +411,7 @@ def loads_wait_for_their_reads(monkeypatch):
     read on a busy machine) can outlast the live budget (3x the read meter's estimate + 50 ms; a first G4 fetch
     0.5 s), and the load would then recompute and serve nothing. ``test_disk_lanes.py`` tests that budget."""
     monkeypatch.setattr(lookups, "WAIT_FLOOR_S", 30.0)
-    monkeypatch.setattr(lookups, "G4_FIRST_WAIT_S", 30.0)
+    monkeypatch.setattr(lookups, "FIRST_READ_WAIT_S", 30.0)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -103,7 +103,7 @@ def swa_window(stage, group, root):
     kv, swa = hybrid.kv_bytes(h, slots), hybrid.swa_bytes(h, slots)
     h.evict_device()
     if stage == 1:
-        h.linker.sidecars.managers["swa"].disk.invalidate([_page_keys(tokens[:6])[-1]], reason="test")
+        h.linker.sidecars.managers["swa"].tiers["disk"].store.invalidate([_page_keys(tokens[:6])[-1]], reason="test")
     again = hybrid.admit(h, tokens, compute=False)
     served = again.loaded_tokens
     window = slice(served - 3, served)  # the sliding window of the boundary served

@@ -59,7 +59,7 @@ def main(rank: int, port: int, out: str, root: str) -> None:
 
     # Loads must land whatever the machine is doing (conftest.loads_wait_for_their_reads); the one
     # scenario about the budget (tp_pair_worker.slow_read) sets its own.
-    lookups.WAIT_FLOOR_S = lookups.G4_FIRST_WAIT_S = 30.0
+    lookups.WAIT_FLOOR_S = lookups.FIRST_READ_WAIT_S = 30.0
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=240))

@@ -20,9 +20,12 @@ BAD = {
     "_directory": ["/tmp/a\x00b"],
     "_port": ["0", "70000", "http"],
     "_host": ["localhost", "999.1.1.1", ""],
-    "_address": ["nohost", "host:", ":50051", "127.0.0.1:99999", "127.0.0.1:rpc"],
-    "_metadata_url": ["ftp://x/metadata", "127.0.0.1:8080/metadata"],
-    "_protocol": ["udp", "ib"],
+    "address": ["nohost", "host:", ":50051", "127.0.0.1:99999", "127.0.0.1:rpc"],  # tiers/mooncake/settings.py
+    "metadata_url": ["ftp://x/metadata", "127.0.0.1:8080/metadata"],
+    "protocol": ["udp", "ib"],
+    "bucket": ["Kv", "kv_cache", "-kv", "kv..cache", "k" * 64, "kv{rank}"],  # tiers/object/settings.py
+    "endpoint": ["127.0.0.1:9000", "ftp://host/", "http://", "http://host:port"],
+    "text": ["us east", "a\tb"],
     "_gib_or_zero": ["four", "-1", "nan", "inf"],
     "_identity_name": ["my model", "v1;rm", "x" * 129, "caf\u00e9"],
     "_file_path": ["/tmp/a\x00b"],

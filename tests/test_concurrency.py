@@ -159,8 +159,8 @@ class Scenario:
     def check_tiers_hold_only_live_blocks(self) -> None:
         manager = self.stack.manager
         held = [m.block_id for m in manager.host.metas()]
-        if manager.disk is not None:
-            held += [m.block_id for m in manager.disk.registered_metas()]
+        if "disk" in manager.tiers:
+            held += [m.block_id for m in manager.tiers["disk"].store.registered_metas()]
         assert set(held) <= self.live, "a copy started before a reset was kept"
 
     def reset(self) -> None:
@@ -219,8 +219,8 @@ def test_copies_never_race_page_reuse_or_reset(tmp_path, tiers, seed):
         accounting = host.accounting()
         assert accounting["registered"] + accounting["free"] == host.capacity, accounting
         assert (accounting["pinned"], accounting["in_flight"], accounting["orphaned"]) == (0, 0, 0), accounting
-        if manager.disk is not None:
-            check_disk(manager.disk, scenario)
+        if "disk" in manager.tiers:
+            check_disk(manager.tiers["disk"].store, scenario)
         # Every device page: no lock left behind, and all of them come back.
         assert tree.protected_size() == 0
         tree.evict(EvictParams(num_tokens=stack.size))
@@ -229,7 +229,7 @@ def test_copies_never_race_page_reuse_or_reset(tmp_path, tiers, seed):
         # The scenario did what it is for (loose bounds: thread timing steers the trajectory).
         assert scenario.checked_loads > 100 and scenario.loads_during_churn > 8 and scenario.resets > 0
         assert executor.checked > 50 and executor.discarded > 0  # copies of a reset cache were really in flight
-        if manager.disk is not None:
+        if "disk" in manager.tiers:
             assert scenario.disk_loads > 0
     finally:
         executor.release()

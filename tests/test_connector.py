@@ -108,7 +108,7 @@ def test_held_pages_are_not_copied_again():
     connector.flush(timeout=30)
     assert connector.offload(request(list(range(8)), [3, 4]))  # registered: held
     connector.flush(timeout=30)
-    assert manager.stats.stores_submitted == 1
+    assert manager.offloads.stats.stores_submitted == 1
     assert [connector.pop_completed_offload() for _ in range(connector.completed_offloads())] == [True] * 3
 
 
@@ -133,7 +133,7 @@ def test_failed_copy_is_dropped_unseen():
     assert connector.completed_offloads() == 1 and connector.pop_completed_offload() is False
     assert sink.calls == []
     assert connector.lookup("r", list(bad.block_ids)) == 0
-    assert manager.stats.store_failures == 1
+    assert manager.offloads.stats.store_failures == 1
     assert manager.host.accounting()["free"] == manager.host.capacity
 
 
@@ -145,7 +145,7 @@ def test_no_room_stores_a_prefix_only_and_says_so():
     try:
         assert connector.offload(request(list(range(20)), [1, 2, 3, 4, 5]))
         assert manager.host.accounting()["free"] == 0
-        assert manager.stats.blocks_not_stored_no_room == 2
+        assert manager.offloads.stats.blocks_not_stored_no_room == 2
         assert connector.offload(request(list(range(50, 54)), [9]))  # all rows in flight: nothing to evict
     finally:
         gate.set()

@@ -56,7 +56,7 @@ def test_page_1024_with_large_token_ids_is_written_and_read_back(stack_factory, 
     gen = torch.Generator().manual_seed(3)
     tokens = torch.randint(65536, 200_001, (2048,), generator=gen).tolist()
     written = on_disk_only(stack, tokens, seed=31)
-    disk = stack.manager.disk
+    disk = stack.manager.tiers["disk"].store
     assert disk.header_bytes == 12288 and disk.stats.write_failures == 0
     for block_id in stack.block_ids(tokens):
         assert disk._index.header(disk._index.slot(block_id)).token_ids[0] >= 65536
@@ -77,7 +77,7 @@ def test_a_salt_too_long_for_the_header_is_a_miss_with_one_log_line(stack_factor
         plain = list(range(300, 308))
         stack.insert(plain, seed=9)
         stack.settle()
-    disk = stack.manager.disk
+    disk = stack.manager.tiers["disk"].store
     assert not any(disk.holds(b) for t in salted for b in stack.block_ids(t, cache_salt=salt))
     assert all(disk.registered(b) for b in stack.block_ids(plain))
     assert disk.stats.headers_too_large == 4 and disk.stats.write_failures == 0

@@ -76,11 +76,11 @@ def test_device_to_disk_copies_run_ahead_of_background_disk_writes(stack_factory
     stack.tree.check_hicache_events()
     assert stack.tree.protected_size() == 0  # B's node is unlocked: its offload completed
     ids_a, ids_b = stack.block_ids(a), stack.block_ids(b)
-    assert all(map(stack.manager.disk.registered, ids_b))
-    assert not any(map(stack.manager.disk.registered, ids_a))  # still queued
+    assert all(map(stack.manager.tiers["disk"].store.registered, ids_b))
+    assert not any(map(stack.manager.tiers["disk"].store.registered, ids_a))  # still queued
     stack.writer.open()
     stack.settle()
-    assert all(map(stack.manager.disk.registered, ids_a))
+    assert all(map(stack.manager.tiers["disk"].store.registered, ids_a))
 
 
 class RecordingReader(GatedLanes):
@@ -108,7 +108,7 @@ def _only_on_disk(stack, *prefixes):
         stack.evict_all()
     ids = [b for tokens in prefixes for b in stack.block_ids(tokens)]
     stack.manager.host.remove(ids)
-    assert all(map(stack.manager.disk.registered, ids))
+    assert all(map(stack.manager.tiers["disk"].store.registered, ids))
     return written
 
 
@@ -154,7 +154,7 @@ def test_a_load_gives_up_past_the_read_meters_estimate_and_the_read_serves_later
     req, _, loaded, _, _ = stack.admit(mine + [1], "first")
     assert loaded == 0  # recomputed, without waiting for the disk (a 30 s load timeout would have waited)
     assert opened.is_alive(), "the load waited for the stuck disk"
-    stats = stack.manager.stats
+    stats = stack.manager.reads
     assert (stats.load_waits, stats.load_waits_expired) == (1, 1)
     opened.cancel()
     reader.open()

@@ -40,7 +40,7 @@ def written_and_closed(root, groups, *, events: bool = False):
     stack = build_stack(disk_dir=root, events=events, **DISK)
     try:
         written = [on_disk_only(stack, tokens, seed=seed) for seed, tokens in enumerate(groups, 30)]
-        return stack.manager.disk.directory, written, len(stack.manager.disk)
+        return stack.manager.tiers["disk"].store.directory, written, len(stack.manager.tiers["disk"].store)
     finally:
         stack.cache.close()
 
@@ -52,10 +52,10 @@ def crash_image(root, groups):
     stack = build_stack(disk_dir=root / "live", **DISK)
     try:
         written = [on_disk_only(stack, tokens, seed=seed) for seed, tokens in enumerate(groups, 40)]
-        source = stack.manager.disk.directory
+        source = stack.manager.tiers["disk"].store.directory
         crashed = root / "crashed" / source.name
         shutil.copytree(source, crashed)
-        return crashed, written, len(stack.manager.disk)
+        return crashed, written, len(stack.manager.tiers["disk"].store)
     finally:
         stack.cache.close()
 
@@ -71,7 +71,7 @@ def records(journal) -> list[int]:
 
 def restarted(root, **kwargs):
     stack = build_stack(disk_dir=root, **DISK, **kwargs)
-    return stack, stack.manager.disk
+    return stack, stack.manager.tiers["disk"].store
 
 
 GROUPS = [list(range(700, 716)), list(range(800, 816))]
@@ -95,7 +95,7 @@ def test_flipped_snapshot_keeps_every_verifying_block(tmp_path, caplog, monkeypa
         metas = disk.take_restored()
         assert sorted(m.block_id for m in metas) == sorted(h.block_id for _, h in disk._index.entries())
         assert disk.take_restored() == []  # announced once
-        stack.manager._announce_restored(metas)  # as the manager announces a clean restart's blocks
+        stack.manager.tiers["disk"]._announce_restored(metas)  # as the tier announces a clean restart's blocks
         stack.cache.poll()
         stores = [e for e in stack.tree.take_events() if isinstance(e, BlockStored) and medium(e) == "DISK"]
         seen = set()
@@ -174,7 +174,7 @@ def test_a_block_that_does_not_verify_is_not_kept(tmp_path, fault, caplog):
     stack = build_stack(disk_dir=tmp_path, **DISK)
     try:
         written = on_disk_only(stack, GROUPS[0], seed=50)
-        disk = stack.manager.disk
+        disk = stack.manager.tiers["disk"].store
         ids = stack.block_ids(GROUPS[0])
         victim = ids[2]
         path, offset, header_bytes = segment_path(disk, victim), header_offset(disk, victim), disk.header_bytes
@@ -275,11 +275,11 @@ def test_a_verifying_block_the_index_had_freed_is_kept(tmp_path):
     stack = build_stack(disk_dir=tmp_path / "live", **DISK)
     try:
         written = on_disk_only(stack, GROUPS[0], seed=60)
-        held = len(stack.manager.disk)
+        held = len(stack.manager.tiers["disk"].store)
         stack.tree.reset()  # what /flush_cache does
         stack.cache.poll()  # the journal is flushed every poll
-        assert len(stack.manager.disk) == 0
-        source = stack.manager.disk.directory
+        assert len(stack.manager.tiers["disk"].store) == 0
+        source = stack.manager.tiers["disk"].store.directory
         for image in ("intact", "damaged"):  # crash images: the blocks' records and the clear are in the journal
             shutil.copytree(source, tmp_path / image / source.name)
     finally:

@@ -124,7 +124,7 @@ def test_host_to_disk_and_back_bytes_equal(stack_factory, tmp_path):
     stack.settle()
     ids = stack.block_ids(tokens)
     events = stack.tree.take_events()
-    assert [h for _, h in chain_links(disk_stored(events))] == [event_hash(stack.manager.disk, i) for i in ids]
+    assert [h for _, h in chain_links(disk_stored(events))] == [event_hash(stack.manager.tiers["disk"].store, i) for i in ids]
     push_out_of_host(stack)
     stack.evict_all()
     stack.scramble_pool()
@@ -141,7 +141,7 @@ def test_disk_store_is_announced_only_after_the_host_store(stack_factory, tmp_pa
     stack.settle()
     order = [medium(e) for e in stack.tree.take_events() if isinstance(e, BlockStored)]
     assert order.index("CPU_PINNED") < order.index("DISK")
-    assert all(stack.manager.disk.registered(i) for i in stack.block_ids(tokens))
+    assert all(stack.manager.tiers["disk"].store.registered(i) for i in stack.block_ids(tokens))
 
 
 def test_disk_only_tier_stores_device_pages_directly(stack_factory, tmp_path):
@@ -165,14 +165,14 @@ def test_offload_filter_writes_only_reused_blocks(stack_factory, tmp_path):
     load_exact(stack, tokens, written)  # a host hit doubles the block's count to 2: it earns a disk copy
     stack.settle()
     ids = stack.block_ids(tokens)
-    assert all(stack.manager.disk.registered(i) for i in ids)
+    assert all(stack.manager.tiers["disk"].store.registered(i) for i in ids)
     assert len(chain_links(disk_stored(stack.tree.take_events()))) == 4
 
 
 def test_reads_pipelined_in_chunks_and_a_fault_in_a_later_chunk(stack_factory, tmp_path):
     """Ten blocks read three at a time: four NIXL reads, the next ones posted before the first is verified."""
     stack = disk_stack(stack_factory, tmp_path, host_blocks=4, size=128)
-    disk = stack.manager.disk
+    disk = stack.manager.tiers["disk"].store
     disk.chunk_blocks = 3  # blocks per transfer (the buffers were sized for more)
     transfers = []
     post, finish = disk.io.post, disk.io.finish
@@ -242,7 +242,7 @@ def test_staged_blocks_serve_but_are_not_reported_as_a_tier(stack_factory, tmp_p
     stack.linker.connector.lookup("early", ids)  # staged while the request waits
     assert stack.manager.wait(timeout=30)
     stack.cache.poll()
-    stack.manager.disk.invalidate(ids, reason="test")  # the disk lets them go (its DISK removals go out)
+    stack.manager.tiers["disk"].store.invalidate(ids, reason="test")  # the disk lets them go (its DISK removals go out)
     assert stack.linker.connector.peek(ids) == (0, 0)
     assert stack.cache.tier_tokens(prefix + [1]).disk == 0
     load_exact(stack, prefix, written)  # ... and the staged copies still serve the load
@@ -264,7 +264,7 @@ FAULTS = {  # fault -> what the disk tier counts as invalidated, by reason
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_fault_is_a_miss_and_the_block_leaves_the_index(stack_factory, tmp_path, fault, caplog):
     stack = disk_stack(stack_factory, tmp_path)
-    disk = stack.manager.disk
+    disk = stack.manager.tiers["disk"].store
     tokens = list(range(200, 216))
     written = on_disk_only(stack, tokens, seed=7)
     ids = stack.block_ids(tokens)
@@ -327,7 +327,7 @@ def test_disk_page_corrupted_between_lookup_and_load_is_recomputed(stack_factory
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
     stack = disk_stack(stack_factory, tmp_path)
-    disk = stack.manager.disk
+    disk = stack.manager.tiers["disk"].store
     tokens = list(range(700, 716))
     on_disk_only(stack, tokens, seed=8)
     ids = stack.block_ids(tokens)
@@ -336,7 +336,7 @@ def test_disk_page_corrupted_between_lookup_and_load_is_recomputed(stack_factory
     stack.tree.take_events()
 
     gate = threading.Event()
-    stack.manager._reader.submit(gate.wait, 60)  # the one disk reader: the lookup's read queues behind this
+    stack.manager.tiers["disk"]._reader.submit(gate.wait, 60)  # the one disk reader: the lookup's read queues behind this
     req = make_req(tokens + [1], "between")
     match = stack.tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens)), req=req))
     assert match.host_hit_length == 16
@@ -370,7 +370,7 @@ def test_a_failed_read_drops_only_the_copy_it_read(stack_factory, tmp_path):
     tokens = list(range(16))
     stack.insert(tokens, seed=3)
     stack.settle()
-    disk = stack.manager.disk
+    disk = stack.manager.tiers["disk"].store
     ids = stack.block_ids(tokens)
     where = [disk.located(b) for b in ids]
     stale = [(slot, generation + 1) for slot, generation in where[:2]] + [(slot + 1, g) for slot, g in where[2:]]
@@ -384,7 +384,7 @@ def test_retired_segment_is_closed_once_no_transfer_uses_it(stack_factory, tmp_p
     """A segment file deleted while a read of it is in flight: the read finishes on the old
     descriptor, which (with its NIXL registration) is released only when that read ends."""
     stack = disk_stack(stack_factory, tmp_path)
-    disk = stack.manager.disk
+    disk = stack.manager.tiers["disk"].store
     first, second = list(range(900, 916)), list(range(950, 966))
     written = on_disk_only(stack, first, seed=10)
     on_disk_only(stack, second, seed=11)
@@ -435,7 +435,7 @@ def _fd_links() -> list[str]:
 
 def test_disk_store_io_runs_on_one_thread_each(stack_factory, tmp_path):
     stack = disk_stack(stack_factory, tmp_path)
-    disk = stack.manager.disk
+    disk = stack.manager.tiers["disk"].store
     on_disk_only(stack, list(range(16)), seed=12)
     stack.admit(list(range(17)), "read")  # the reader thread has read
     writes, failures = disk.stats.writes, disk.stats.write_failures
@@ -460,7 +460,7 @@ def test_disk_store_io_runs_on_one_thread_each(stack_factory, tmp_path):
 
 def test_deleted_segment_in_an_unwritable_directory_is_lost_not_fatal(stack_factory, tmp_path, caplog):
     stack = disk_stack(stack_factory, tmp_path)
-    disk = stack.manager.disk
+    disk = stack.manager.tiers["disk"].store
     tokens = list(range(300, 316))
     on_disk_only(stack, tokens, seed=13)
     ids = stack.block_ids(tokens)
@@ -489,7 +489,7 @@ def test_deleted_segment_in_an_unwritable_directory_is_lost_not_fatal(stack_fact
 
 def test_cap_evicts_least_recently_used_with_removals(stack_factory, tmp_path):
     stack = disk_stack(stack_factory, tmp_path, disk_blocks=6)
-    disk = stack.manager.disk
+    disk = stack.manager.tiers["disk"].store
     first, second = list(range(16)), list(range(1000, 1016))
     stack.insert(first, seed=15)
     stack.settle()
@@ -509,13 +509,13 @@ def test_restart_reuses_blocks_and_another_identity_loads_nothing(tmp_path):
     try:
         written = on_disk_only(a, tokens, seed=17)
         ids = a.block_ids(tokens)
-        hashes = [event_hash(a.manager.disk, i) for i in ids]
+        hashes = [event_hash(a.manager.tiers["disk"].store, i) for i in ids]
     finally:
         a.cache.close()
 
     b = build_stack(host_blocks=4, disk_blocks=64, disk_dir=tmp_path, events=True)  # same identity
     try:
-        assert len(b.manager.disk) == 8  # `tokens` and the blocks that pushed them out of the host
+        assert len(b.manager.tiers["disk"].store) == 8  # `tokens` and the blocks that pushed them out of the host
         stores = disk_stored(b.tree.take_events())  # restored blocks announced, parents first
         links = chain_links(stores)
         assert [h for _, h in links if h in hashes] == hashes
@@ -525,13 +525,13 @@ def test_restart_reuses_blocks_and_another_identity_loads_nothing(tmp_path):
             seen.add(block_hash)
         load_exact(b, tokens, written)
         assert b.linker.connector.stats.onboard_blocks_d2d == 4
-        old_dir = b.manager.disk.directory
+        old_dir = b.manager.tiers["disk"].store.directory
     finally:
         b.cache.close()
 
     c = build_stack(host_blocks=4, disk_blocks=64, disk_dir=tmp_path, identity=Identity(model_path="another-model"))
     try:
-        assert len(c.manager.disk) == 0 and c.linker.connector.peek(ids) == (0, 0)
+        assert len(c.manager.tiers["disk"].store) == 0 and c.linker.connector.peek(ids) == (0, 0)
         assert c.admit(tokens + [1])[1].host_hit_length == 0
         assert not old_dir.exists()  # reclaimed: no live server held it
     finally:
@@ -543,19 +543,19 @@ def test_corrupt_index_is_rebuilt_and_the_tier_starts(tmp_path, caplog):
     try:
         a.insert(list(range(16)), seed=18)
         a.settle()
-        directory = a.manager.disk.directory
+        directory = a.manager.tiers["disk"].store.directory
     finally:
         a.cache.close()
     (directory / "index.msgpack").write_bytes(b"SGKVIDX\x01" + os.urandom(64))
     with caplog.at_level(logging.WARNING, logger="sglang_kvbm"):
         b = build_stack(host_blocks=4, disk_blocks=64, disk_dir=tmp_path)
     try:
-        assert b.manager.disk.wait_rebuilt(timeout=60)  # rebuilt from the blocks' headers (tests/test_disk_rebuild.py)
+        assert b.manager.tiers["disk"].store.wait_rebuilt(timeout=60)  # rebuilt from the blocks' headers (tests/test_disk_rebuild.py)
         assert "rebuilt the disk index" in caplog.text
-        assert len(b.manager.disk) == 4 and b.manager.disk.accounting()["free"] == 60
+        assert len(b.manager.tiers["disk"].store) == 4 and b.manager.tiers["disk"].store.accounting()["free"] == 60
         b.insert(list(range(100, 116)), seed=18)
         b.settle()
-        assert len(b.manager.disk) == 8
+        assert len(b.manager.tiers["disk"].store) == 8
     finally:
         b.cache.close()
 
@@ -566,7 +566,7 @@ def test_torn_journal_tail_keeps_the_records_before_it(tmp_path):
     a = build_stack(host_blocks=4, disk_blocks=64, disk_dir=tmp_path / "live")
     try:
         written = on_disk_only(a, tokens, seed=19)  # the journal is flushed every poll
-        source = a.manager.disk.directory
+        source = a.manager.tiers["disk"].store.directory
         crashed = tmp_path / "crashed" / source.name
         shutil.copytree(source, crashed)  # the files as they are at this instant, no clean close
     finally:
@@ -576,8 +576,8 @@ def test_torn_journal_tail_keeps_the_records_before_it(tmp_path):
         f.write(b"\x10\x00\x00\x00torn")
     b = build_stack(host_blocks=4, disk_blocks=64, disk_dir=tmp_path / "crashed")
     try:
-        assert b.manager.disk.directory == crashed
-        assert len(b.manager.disk) == 8
+        assert b.manager.tiers["disk"].store.directory == crashed
+        assert len(b.manager.tiers["disk"].store) == 8
         load_exact(b, tokens, written)
     finally:
         b.cache.close()
@@ -591,7 +591,7 @@ def _o_direct(fd: int) -> bool:
 @pytest.mark.parametrize("o_direct", [True, False])
 def test_buffered_io_when_o_direct_is_disabled(stack_factory, tmp_path, o_direct):
     stack = disk_stack(stack_factory, tmp_path, config={"disk_disable_o_direct": not o_direct})
-    disk = stack.manager.disk
+    disk = stack.manager.tiers["disk"].store
     assert disk.o_direct is o_direct
     assert _o_direct(disk.segments.segments[0].fd) is o_direct
     tokens = list(range(16))
@@ -618,7 +618,7 @@ def test_probe_reports_what_is_wrong(tmp_path):
 
 def test_world_writable_cache_directory_is_refused(tmp_path):
     a = build_stack(host_blocks=4, disk_blocks=16, disk_dir=tmp_path)
-    directory = a.manager.disk.directory
+    directory = a.manager.tiers["disk"].store.directory
     a.cache.close()
     directory.chmod(0o777)  # another user could replace its files
     with pytest.raises(ConfigError, match="writable by others"):
@@ -684,7 +684,7 @@ def test_writes_lost_below_the_filesystem_are_caught_on_read(eio_filesystem, cap
     mount, backing = eio_filesystem
     stack = build_stack(size=256, host_blocks=64, disk_blocks=1024, disk_dir=mount, events=True)
     try:
-        disk = stack.manager.disk
+        disk = stack.manager.tiers["disk"].store
         with open(backing / "filler", "wb") as filler:  # ext4 still believes it has room
             try:
                 while True:
@@ -723,8 +723,8 @@ def test_stats_give_the_disk_slot_size_while_the_disk_tier_is_empty(stack_factor
     from sglang_kvbm.observe.endpoint import stats_of
 
     stack = disk_stack(stack_factory, tmp_path)
-    assert len(stack.manager.disk) == 0
-    assert stats_of(stack.linker)["block_bytes"]["disk"] == stack.manager.disk.slot_bytes > 0
+    assert len(stack.manager.tiers["disk"].store) == 0
+    assert stats_of(stack.linker)["block_bytes"]["disk"] == stack.manager.tiers["disk"].store.slot_bytes > 0
 
 
 def test_a_directory_is_created_and_locked_at_once_for_every_other_claim(tmp_path):

@@ -261,3 +261,19 @@ def test_g4_with_legacy_rpc_port_binding_is_a_problem(value):
            "SGLANG_KVBM_MOONCAKE_METADATA": "http://127.0.0.1:8080/metadata"}
     status, detail = rows(env)["configuration"]
     assert status == "FAIL" and "MC_LEGACY_RPC_PORT_BINDING" in detail and "unset MC_LEGACY_RPC_PORT_BINDING" in detail
+
+
+def test_object_tier_rows_and_credentials_are_not_printed(tmp_path):
+    from sglang_kvbm.testing.s3 import S3Server
+
+    env = {"DYN_KVBM_CPU_CACHE_GB": "1", "DYN_KVBM_OBJECT_ENABLED": "1", "DYN_KVBM_OBJECT_BUCKET": "kv-{worker_id}",
+           "DYN_KVBM_OBJECT_ACCESS_KEY": "AKIDEXAMPLE", "DYN_KVBM_OBJECT_SECRET_KEY": "wJalrXUtnFEMI"}
+    with S3Server(tmp_path) as s3:
+        up = rows({**env, "DYN_KVBM_OBJECT_ENDPOINT": s3.endpoint})
+    down = rows({**env, "DYN_KVBM_OBJECT_ENDPOINT": s3.endpoint})  # stopped now
+    assert up["object backend"] == ("ok", "NIXL's OBJ plugin loads")
+    assert up["object endpoint"][0] == "ok" and "kv-{worker_id}" in up["object endpoint"][1]
+    assert down["object endpoint"][0] == "warn" and "DYN_KVBM_OBJECT_ENDPOINT" in down["object endpoint"][1]
+    shown = up["configuration"][1]
+    assert "DYN_KVBM_OBJECT_SECRET_KEY=<hidden>" in shown and "DYN_KVBM_OBJECT_ACCESS_KEY=<hidden>" in shown
+    assert "wJalrXUtnFEMI" not in shown and "AKIDEXAMPLE" not in shown

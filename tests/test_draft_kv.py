@@ -45,7 +45,7 @@ def test_corrupt_draft_bytes_on_disk_miss_the_whole_block(tmp_path):
     tokens = list(range(1000, 1000 + PAGES * 4 + 2))
     admit(h, tokens)
     h.evict_device()
-    disk = h.linker.manager.disk
+    disk = h.linker.manager.tiers["disk"].store
     first_page = next(m.block_id for m in disk.registered_metas() if m.parent_id is None)
     flip_bit(segment_path(disk, first_page), data_offset(disk, first_page) + layout.buffer_offsets[4] + 3)  # draft K
     missed = admit(h, tokens, compute=False)

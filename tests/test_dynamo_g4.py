@@ -116,7 +116,7 @@ def announced_all(endpoint, keys: set[str], timeout=120.0):
 
 
 def g4(worker):
-    return worker.stats()["g4"]
+    return worker.stats()["mooncake"]
 
 
 def wait(what, timeout=60.0, step=None):
@@ -154,7 +154,7 @@ def test_a_prefix_only_in_g4_is_a_shared_hit_for_the_router_and_served_from_g4(d
         if a.tiers(PREFIX)["host"] == 0:
             break
         d.complete(prompt_ids(50_000 + i, PROMPT), 1, worker=a)
-    only_g4 = {"device": 0, "host": 0, "disk": 0, "g4": PROMPT}  # POST /tiers: nowhere but Mooncake
+    only_g4 = {"device": 0, "host": 0, "disk": 0, "mooncake": PROMPT}  # POST /tiers: nowhere but Mooncake
     assert a.tiers(PREFIX) == only_g4 and d.workers[1].tiers(PREFIX) == only_g4, (a.tiers(PREFIX),
                                                                                   d.workers[1].tiers(PREFIX))
     # The relay polls the master every 0.2 s and publishes to the router; wait until a subscriber of our

@@ -73,7 +73,7 @@ def test_disk_write_queued_before_a_flush_never_commits_another_blocks_bytes(sta
     stack.settle()
     ids = stack.block_ids(x)
     stack.manager.host.remove([m.block_id for m in stack.manager.host.metas()])  # host emptied: X only on disk
-    assert stack.manager.disk.registered(ids[0])
+    assert stack.manager.tiers["disk"].store.registered(ids[0])
 
     loaded, pages = _load(stack, x)
     assert loaded == PAGE, "X's disk copy was refused"
@@ -95,7 +95,7 @@ def test_flush_waits_for_copies_in_flight_then_forgets_them(stack_factory, tmp_p
     assert not flush.is_alive()
     assert stack.linker.quiesce(timeout=0)  # nothing was left running
     stack.allocator.clear()
-    assert stack.host_blocks() == 0 and len(stack.manager.disk) == 0
+    assert stack.host_blocks() == 0 and len(stack.manager.tiers["disk"].store) == 0
     accounting = stack.manager.host.accounting()
     assert accounting["free"] == stack.manager.host.capacity and accounting["orphaned"] == 0, accounting
     assert stack.tree.protected_size() == 0
@@ -130,7 +130,7 @@ def test_drop_tiers_announces_every_removal_and_still_completes_the_trees_offloa
     stack.writer.open()
     drop.join(timeout=60)
     assert stack.writer.submitted == before
-    assert stack.host_blocks() == 0 and len(stack.manager.disk) == 0
+    assert stack.host_blocks() == 0 and len(stack.manager.tiers["disk"].store) == 0
     removed = {}
     for event in stack.tree.take_events():
         if isinstance(event, BlockRemoved):

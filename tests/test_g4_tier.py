@@ -36,7 +36,7 @@ def worker(stack_factory, cluster, model="tiny-a", config=None, **kwargs):
 
 def g4_written(stack, n: int, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
-    while stack.manager.g4_writes.written < n:
+    while stack.manager.tiers["mooncake"].writes.written < n:
         assert time.monotonic() < deadline, "G4 write-through did not finish"
         stack.settle()
         stack.manager.poll()
@@ -51,8 +51,13 @@ def test_a_prefix_stored_by_one_worker_loads_on_another_from_g4(stack_factory, c
     g4_written(a, len(TOKENS) // a.page_size)
     assert b.linker.connector.peek(b.block_ids(TOKENS)) == (0, 0)  # B holds nothing of it itself
     load_exact(b, TOKENS, written)
-    assert b.manager.staging.g4_staged == len(TOKENS) // b.page_size
-    assert b.linker.connector.stats.onboard_blocks_d2d == len(TOKENS) // b.page_size  # reported as storage hits
+    pages = len(TOKENS) // b.page_size
+    assert b.manager.tiers["mooncake"].staged == pages
+    stats = b.linker.connector.stats
+    # Counted under its own name, never as disk (KVBM's onboard_blocks_d2d): an operator sees what the shared tier serves
+    assert stats.onboard_blocks == {"mooncake": pages} and stats.onboard_blocks_d2d == 0
+    assert stats.hit_blocks == {"mooncake": pages} and b.linker.connector.hit_rates.rates() == {"mooncake": 1.0}
+    assert b.manager.tiers["mooncake"].stats["lookup_hits"] == pages
 
 
 @pytest.mark.usefixtures("loads_wait_for_their_reads")
@@ -66,14 +71,14 @@ def test_another_identity_and_a_damaged_object_are_misses(stack_factory, cluster
     assert loaded == 0
     b = worker(stack_factory, cluster)
     ids = b.block_ids(TOKENS)
-    client = a.manager.g4._client
-    damaged = a.manager.g4.key(ids[2])
-    client.upsert(damaged, bytes(a.manager.g4.header_bytes + a.layout.block_bytes))  # page 2 zeroed
+    client = a.manager.tiers["mooncake"].store._client
+    damaged = a.manager.tiers["mooncake"].store.key(ids[2])
+    client.upsert(damaged, bytes(a.manager.tiers["mooncake"].store.header_bytes + a.layout.block_bytes))  # page 2 zeroed
     req, match, loaded, slots, _ = b.admit(TOKENS + [1], "damaged")
     assert loaded == 2 * b.page_size  # pages 0 and 1; page 2 failed verification, the rest recomputes
-    assert b.manager.g4.stats["rejected"] == 1
+    assert b.manager.tiers["mooncake"].store.stats["rejected"] == 1
     # and it is gone from the store (a put keeps an existing key: left there it would stay a miss for everyone)
-    assert b.manager.g4.stats["removed"] == 1 and client.is_exist(damaged) == 0
+    assert b.manager.tiers["mooncake"].store.stats["removed"] == 1 and client.is_exist(damaged) == 0
     assert b.finish(req)
     b.allocator.free(slots)
 
@@ -93,7 +98,7 @@ def test_a_lost_master_makes_lookups_misses_without_stalling_the_scheduler(stack
         assert loaded == 0
     # The first waits at most its budget (0.5 s), then G4 is down: no Mooncake call, no wait. Bounds with
     # room for a busy machine; a stall on the lost master would be Mooncake's RPC timeout, seconds per call.
-    assert b.manager.g4.down and b.manager.g4.stats["down"] >= 1, b.manager.g4.stats
+    assert b.manager.tiers["mooncake"].store.down and b.manager.tiers["mooncake"].store.stats["down"] >= 1, b.manager.tiers["mooncake"].store.stats
     assert max(waits) < 5, waits
     assert sum(waits[2:]) < 2, waits
 
@@ -105,7 +110,7 @@ def test_with_the_frequency_filter_only_reused_blocks_are_shared(stack_factory, 
     written = a.insert(TOKENS, seed=3)
     a.settle()
     a.manager.poll()
-    assert a.manager.g4_writes.submitted == 0  # stored once: not shared
+    assert a.manager.tiers["mooncake"].writes.submitted == 0  # stored once: not shared
     a.evict_all()
     a.scramble_pool()
     load_exact(a, TOKENS, written)  # a host hit: reused

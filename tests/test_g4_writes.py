@@ -23,8 +23,10 @@ from sglang_kvbm.core.ports import BlockMeta, StoreRequest
 from sglang_kvbm.testing.mooncake import MooncakeCluster
 from sglang_kvbm.tiers.disk.setup import probe
 from sglang_kvbm.tiers.disk.store import DiskStore
+from sglang_kvbm.tiers.disk.tier import DiskTier
 from sglang_kvbm.tiers.manager import LocalBlockManager
 from sglang_kvbm.tiers.mooncake.store import G4Settings, G4Store
+from sglang_kvbm.tiers.mooncake.tier import MooncakeTier
 from sglang_kvbm.transfer import copies
 from sglang_kvbm.transfer.host_memory import aligned_empty
 from sglang_kvbm.transfer.kv_layout import PagedKvLayout
@@ -55,12 +57,15 @@ def g4_store(cluster, layout, fingerprint=IDENTITY, retry_s=0.5) -> G4Store:
 
 def make(managers, cluster, tmp_path, *, host_blocks=2, disk=True, retry_s=0.5) -> LocalBlockManager:
     layout = PagedKvLayout([torch.zeros(PAGES * PAGE, 2, 8) for _ in range(2)], PAGE)
-    store = None
+    tiers = []
     if disk:
         found = probe(tmp_path / "disk", 1 << 24, zerofill_fallback=True, disable_o_direct=False)
         store = DiskStore(probe=found, num_slots=16, block_bytes=layout.block_bytes, fingerprint=b"d" * 16,
                           page_size=PAGE)
-    manager = LocalBlockManager(layout, host_blocks, disk=store, g4=g4_store(cluster, layout, retry_s=retry_s))
+        tiers.append(lambda m: DiskTier(store, m.host, generation=m.generation, observe=m.observe))
+    g4 = g4_store(cluster, layout, retry_s=retry_s)
+    tiers.append(lambda m: MooncakeTier(g4, m.host, m.generation))
+    manager = LocalBlockManager(layout, host_blocks, tiers=tiers)
     managers.append(manager)
     return manager
 
@@ -102,14 +107,14 @@ def store(manager, block_id: str, page: int, seed: int) -> torch.Tensor:
 def hold(manager) -> threading.Event:
     """Occupy the G4 thread until the returned event is set: writes queued meanwhile wait behind it."""
     started, gate = threading.Event(), threading.Event()
-    manager._g4_lane.submit_urgent(lambda: (started.set(), gate.wait(120)))
+    manager.tiers["mooncake"]._lane.submit_urgent(lambda: (started.set(), gate.wait(120)))
     assert started.wait(60)
     return gate
 
 
 def g4_idle(manager) -> None:
     """Every G4 write queued so far done, and collected."""
-    wait(manager.g4_writes.futures())
+    wait(manager.tiers["mooncake"].writes.futures())
     manager.poll()
 
 
@@ -144,8 +149,8 @@ def test_a_row_released_by_the_disk_write_is_not_reused_under_a_pending_g4_write
     reader = Reader(cluster, manager.layout)
     gate = hold(manager)
     x = store(manager, "block-x", page=0, seed=1)
-    assert manager.g4_writes.futures() and manager.offloads.futures()  # X's G4 write and disk write are queued
-    wait(manager.offloads.futures())  # the disk write is done; the G4 write waits
+    assert manager.tiers["mooncake"].writes.futures() and manager.tiers["disk"].in_flight()  # X's G4 write and disk write are queued
+    wait(manager.tiers["disk"].in_flight())  # the disk write is done; the G4 write waits
     manager.reset()  # the engine cleared its cache while X's writes were in flight
     manager.poll()  # the disk write's completion: it gives back its hold on X's row
     y = store(manager, "block-y", page=1, seed=2)
@@ -168,12 +173,12 @@ def test_a_write_queued_before_a_rekey_never_publishes_under_the_new_identity(ma
     store(manager, "block-x", page=0, seed=1)
     if dropped:
         manager.drop()
-    manager.g4.rekey(REKEYED)
-    manager.g4_writes.forget()
+    manager.tiers["mooncake"].store.rekey(REKEYED)
+    manager.tiers["mooncake"].writes.forget()
     gate.set()
     g4_idle(manager)
     assert new_identity.store.contains(["block-x"]) == [False], "the old weights' KV published under the new identity"
-    assert manager.host.accounting()["pinned"] == 0 and manager.g4.stats["write_stale"] == 1
+    assert manager.host.accounting()["pinned"] == 0 and manager.tiers["mooncake"].store.stats["write_stale"] == 1
     new_identity.close()
 
 
@@ -184,18 +189,18 @@ def test_a_full_g4_queue_defers_offers_unpinned_and_counts_them(managers, cluste
     """A backlog holds no more rows than the queue's bound: the rest wait unpinned and are written as room frees
     (a request's whole prefix reaches G4 even when it has more pages than the queue holds)."""
     manager = make(managers, cluster, tmp_path, host_blocks=8, disk=False)
-    manager.g4_writes.queue_blocks = 2
+    manager.tiers["mooncake"].writes.queue_blocks = 2
     gate = hold(manager)
     for i in range(4):
         store(manager, f"block-{i}", page=i, seed=i)
-    assert manager.g4_writes.queued == 2  # two blocks wait with their rows pinned; two wait unpinned
+    assert manager.tiers["mooncake"].writes.queued == 2  # two blocks wait with their rows pinned; two wait unpinned
     assert manager.host.accounting()["pinned"] == 2
-    assert manager.g4.stats["write_queue_full"] == 2
+    assert manager.tiers["mooncake"].store.stats["write_queue_full"] == 2
     gate.set()
-    until(lambda: manager.g4_writes.written == 4, manager, "the deferred blocks were not written")
+    until(lambda: manager.tiers["mooncake"].writes.written == 4, manager, "the deferred blocks were not written")
     g4_idle(manager)
-    assert manager.g4_writes.queued == 0 and manager.host.accounting()["pinned"] == 0
-    assert manager.g4.stats["write_gave_up"] == 0
+    assert manager.tiers["mooncake"].writes.queued == 0 and manager.host.accounting()["pinned"] == 0
+    assert manager.tiers["mooncake"].store.stats["write_gave_up"] == 0
 
 
 # -- faults ----------------------------------------------------------------------------------------------
@@ -208,34 +213,34 @@ def test_blocks_lost_to_a_master_restart_are_written_again_when_reused(managers,
     manager = make(managers, cluster, tmp_path, host_blocks=8, disk=False)
     ids = [f"block-{i}" for i in range(3)]
     written = [store(manager, b, page=i, seed=i) for i, b in enumerate(ids)]
-    until(lambda: manager.g4_writes.written == 3, manager, "write-through")
+    until(lambda: manager.tiers["mooncake"].writes.written == 3, manager, "write-through")
     cluster.kill_master()
     cluster.start_master()  # every object is gone; the lender mounts its memory again
     until(lambda: cluster.capacity() > 0, manager, "the lender's remount")
     reader = Reader(cluster, manager.layout)
     assert reader.store.contains(ids) == [False] * 3
     if noticed == "failed-call":  # e.g. a lookup's fetch: Mooncake fails the first call after a restart
-        assert manager._g4_lane.submit(manager.g4.contains, ["another"]).result() == [False]
-        assert manager.g4.stats["down"] == 1
+        assert manager.tiers["mooncake"]._lane.submit(manager.tiers["mooncake"].store.contains, ["another"]).result() == [False]
+        assert manager.tiers["mooncake"].store.stats["down"] == 1
     else:
-        manager.g4_writes.recheck_s = 0
+        manager.tiers["mooncake"].writes.recheck_s = 0
     reuse(manager, ids)  # what this worker believes G4 holds is reused: checked, and written again
     until(lambda: reader.store.contains(ids) == [True] * 3, manager, "the lost blocks were not written again")
     g4_idle(manager)
     assert [torch.equal(reader.get(b), w) for b, w in zip(ids, written)] == [True] * 3
-    assert manager.g4.stats["rewritten"] == 3, manager.g4.stats
+    assert manager.tiers["mooncake"].store.stats["rewritten"] == 3, manager.tiers["mooncake"].store.stats
     reader.close()
 
 
 def test_offers_made_while_g4_is_down_are_written_once_it_is_back(managers, cluster, tmp_path):
     manager = make(managers, cluster, tmp_path, host_blocks=8, disk=False, retry_s=60.0)  # not by the clock here
     cluster.kill_master()
-    manager._g4_lane.submit(manager.g4.contains, ["anything"]).result()  # a failed call: G4 is marked down
-    assert manager.g4.down
+    manager.tiers["mooncake"]._lane.submit(manager.tiers["mooncake"].store.contains, ["anything"]).result()  # a failed call: G4 is marked down
+    assert manager.tiers["mooncake"].store.down
     written = store(manager, "block-x", page=0, seed=1)
-    assert manager.g4_writes.submitted == 0  # not attempted while down
+    assert manager.tiers["mooncake"].writes.submitted == 0  # not attempted while down
     cluster.start_master()
-    manager.g4._down_until = 0.0  # as if the retry interval had passed
+    manager.tiers["mooncake"].store._down_until = 0.0  # as if the retry interval had passed
     until(lambda: cluster.capacity() > 0, manager, "the lender's remount")
     reader = Reader(cluster, manager.layout)
     until(lambda: reader.get("block-x") is not None, manager, "the offer made while down was never written")
@@ -247,21 +252,21 @@ def test_a_failing_write_is_retried_a_bounded_number_of_times(managers, cluster,
     """The master is lost mid-run (a client that never joined tries nothing: its offers wait until it joins)."""
     manager = make(managers, cluster, tmp_path, host_blocks=8, disk=False, retry_s=0.2)
     store(manager, "block-w", page=1, seed=2)
-    until(lambda: manager.g4_writes.written == 1, manager, "write-through")
+    until(lambda: manager.tiers["mooncake"].writes.written == 1, manager, "write-through")
     cluster.kill_master()  # and never back
     store(manager, "block-x", page=0, seed=1)
-    until(lambda: manager.g4.stats["write_gave_up"] == 1, manager, "the failed write was not given up")
-    submitted = manager.g4_writes.submitted
-    assert submitted - 1 == manager.g4_writes.max_tries == manager.g4.stats["write_retried"] + 1
+    until(lambda: manager.tiers["mooncake"].store.stats["write_gave_up"] == 1, manager, "the failed write was not given up")
+    submitted = manager.tiers["mooncake"].writes.submitted
+    assert submitted - 1 == manager.tiers["mooncake"].writes.max_tries == manager.tiers["mooncake"].store.stats["write_retried"] + 1
     for _ in range(5):  # given up: nothing more is tried, nothing is left pinned or queued
         manager.poll()
-    assert manager.g4_writes.submitted == submitted and not manager.busy()
+    assert manager.tiers["mooncake"].writes.submitted == submitted and not manager.busy()
     assert manager.host.accounting()["pinned"] == 0
 
 
 def test_closing_the_manager_closes_its_g4_client(managers, cluster, tmp_path):
     manager = make(managers, cluster, tmp_path, disk=False)
     store(manager, "block-x", page=0, seed=1)
-    until(lambda: manager.g4.connected and manager.g4_writes.written == 1, manager, "write-through")
+    until(lambda: manager.tiers["mooncake"].store.connected and manager.tiers["mooncake"].writes.written == 1, manager, "write-through")
     manager.close()
-    assert not manager.g4.connected
+    assert not manager.tiers["mooncake"].store.connected

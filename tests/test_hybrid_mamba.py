@@ -113,7 +113,7 @@ def test_a_corrupt_state_on_disk_misses_the_whole_load(tmp_path):
     tokens = prompt(1000, PAGES)
     admit(h, tokens)
     h.evict_device()
-    disk = h.linker.sidecars.managers["mamba"].disk
+    disk = h.linker.sidecars.managers["mamba"].tiers["disk"].store
     (state,) = [m.block_id for m in disk.registered_metas()]
     flip_bit(segment_path(disk, state), data_offset(disk, state) + 11)
     missed = admit(h, tokens, compute=False)

@@ -44,7 +44,7 @@ def test_window_pages_and_full_pages_come_back_equal(tmp_path, page_size, tier):
     side = h.linker.sidecars.managers["swa"]
     stats = h.linker.connector.stats
     assert stats.onboard_blocks_h2d + stats.onboard_blocks_d2d == PAGES
-    assert (side.host is not None and len(side.host)) or len(side.disk)
+    assert (side.host is not None and len(side.host)) or len(side.tiers["disk"].store)
 
 
 def test_one_corrupt_window_page_on_disk_misses_the_whole_load_then_an_intact_boundary_is_served(tmp_path):
@@ -54,7 +54,7 @@ def test_one_corrupt_window_page_on_disk_misses_the_whole_load_then_an_intact_bo
     first = admit(h, tokens)
     kv = kv_bytes(h, first.slots)
     h.evict_device()
-    disk = h.linker.sidecars.managers["swa"].disk
+    disk = h.linker.sidecars.managers["swa"].tiers["disk"].store
     victim = _last_key(h, tokens)
     flip_bit(segment_path(disk, victim), data_offset(disk, victim) + 5)
     missed = admit(h, tokens, compute=False)

@@ -215,7 +215,7 @@ def test_a_block_whose_parent_is_held_nowhere_below_is_not_kept(stack_factory):
     stack.insert_tail(prefix, tail, seed=14)  # room for the tail's 4 blocks: the prefix's 4 are evicted
     stack.settle()
     assert stack.linker.connector.peek(stack.block_ids(prefix + tail)) == (0, 0)
-    assert stack.manager.stats.blocks_dropped_unreachable == 4
+    assert stack.manager.offloads.stats.blocks_dropped_unreachable == 4
     assert stack.host_blocks() == 0 and stack.manager.host.accounting()["free"] == 4
     assert not stores(stack.tree.take_events(), "CPU_PINNED")[1:]  # the prefix's store only, never the tail's
     assert stack.linker.connector.stats.offloads_failed == 1  # the tree may offer the tail again

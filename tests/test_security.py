@@ -120,7 +120,7 @@ def test_cache_salt_never_shares_blocks_in_any_tier(stack_factory, tmp_path, nam
     written = stack.insert(tokens, seed=3, **tenant)
     stack.settle()
     stack.evict_all()
-    disk = stack.manager.disk
+    disk = stack.manager.tiers["disk"].store
     ids = stack.block_ids(tokens, **tenant)
     assert all(map(disk.registered, ids))
     for other in ({namespace: "tenant-b"}, {}):
@@ -179,7 +179,7 @@ MSGPACK_BOMBS = {
 def test_crafted_disk_header_is_a_miss(stack_factory, tmp_path, payload, crafted):
     pickled, marker = payload
     stack = stack_factory(host_blocks=4, disk_blocks=64, disk_dir=tmp_path / "cache", events=True)
-    disk = stack.manager.disk
+    disk = stack.manager.tiers["disk"].store
     tokens = list(range(200, 216))
     written = on_disk_only(stack, tokens, seed=4)
     victim = stack.block_ids(tokens)[1]
@@ -212,7 +212,7 @@ def _written_then_closed(root: Path, tokens) -> Path:
     stack = build_stack(host_blocks=4, disk_blocks=64, disk_dir=root)
     try:
         on_disk_only(stack, tokens, seed=5)
-        return stack.manager.disk.directory
+        return stack.manager.tiers["disk"].store.directory
     finally:
         stack.cache.close()
 
@@ -227,8 +227,8 @@ def test_crafted_disk_index_is_rebuilt_from_the_blocks(tmp_path, payload, crafte
         stack = build_stack(host_blocks=4, disk_blocks=64, disk_dir=tmp_path)
     try:
         assert "is damaged (the snapshot index.msgpack is unreadable" in caplog.text
-        assert stack.manager.disk.wait_rebuilt(timeout=60)  # never decoded: rebuilt from the blocks' headers
-        assert len(stack.manager.disk) == 8 and stack.manager.disk.accounting()["free"] == 56
+        assert stack.manager.tiers["disk"].store.wait_rebuilt(timeout=60)  # never decoded: rebuilt from the blocks' headers
+        assert len(stack.manager.tiers["disk"].store) == 8 and stack.manager.tiers["disk"].store.accounting()["free"] == 56
         assert not marker.exists()
         tokens = list(range(300, 316))  # the tier starts and works
         written = on_disk_only(stack, tokens, seed=6)
@@ -245,8 +245,8 @@ def test_crafted_journal_record_is_damage_and_the_index_is_rebuilt(tmp_path, pay
     live = build_stack(host_blocks=4, disk_blocks=64, disk_dir=tmp_path / "live")
     try:
         written = on_disk_only(live, tokens, seed=7)  # its journal holds these records now
-        crashed = tmp_path / "crashed" / live.manager.disk.directory.name
-        shutil.copytree(live.manager.disk.directory, crashed)
+        crashed = tmp_path / "crashed" / live.manager.tiers["disk"].store.directory.name
+        shutil.copytree(live.manager.tiers["disk"].store.directory, crashed)
     finally:
         live.cache.close()
     body = pickled if crafted == "pickle" else MSGPACK_BOMBS[crafted]
@@ -255,8 +255,8 @@ def test_crafted_journal_record_is_damage_and_the_index_is_rebuilt(tmp_path, pay
         f.write(_journal_record(body) + _journal_record(clear))
     stack = build_stack(host_blocks=4, disk_blocks=64, disk_dir=tmp_path / "crashed")
     try:
-        assert stack.manager.disk.wait_rebuilt(timeout=60)  # a bad record with records after it: rebuilt
-        assert len(stack.manager.disk) == 8  # every block whose header verifies; the records after it decide nothing
+        assert stack.manager.tiers["disk"].store.wait_rebuilt(timeout=60)  # a bad record with records after it: rebuilt
+        assert len(stack.manager.tiers["disk"].store) == 8  # every block whose header verifies; the records after it decide nothing
         assert not marker.exists()
         load_exact(stack, tokens, written)
     finally:

@@ -142,7 +142,7 @@ def test_soak(model_dir, stock_server, tmp_path):
                       if type(e).__name__ == "BlockRemoved" and e.medium in (None, "GPU"))
     invalidated = sum(final["disk"]["invalidated"].values())
     print(f"\nsoak: {wall:.0f}s wall, {counts}, evictions: device {gpu_removed}, "
-          f"host {final['connector']['host_blocks_removed']}, disk {final['connector']['disk_blocks_removed']}, "
+          f"host {final['connector']['removed_blocks'].get('host', 0)}, disk {final['connector']['removed_blocks'].get('disk', 0)}, "
           f"disk blocks invalidated {invalidated}, {len(batches)} event batches")
     assert not mismatches, mismatches[:3]
     assert device["available"] + device["evictable"] + device["protected"] == device["total"], device
@@ -153,4 +153,4 @@ def test_soak(model_dir, stock_server, tmp_path):
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs))) and seqs[0] == 0
     log = (tmp_path / "kvbm.log").read_text()
     assert "Traceback" not in log and "leak" not in log.lower()
-    assert final["connector"]["host_blocks_removed"] > 0 and final["connector"]["disk_blocks_removed"] > 0
+    assert final["connector"]["removed_blocks"].get("host") and final["connector"]["removed_blocks"].get("disk")

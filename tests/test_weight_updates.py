@@ -162,8 +162,8 @@ def test_weights_updated_without_a_flush_drop_the_tiers_and_a_restart_reads_noth
     a = disk_stack(tmp_path)
     try:
         on_disk_only(a, old_kv, seed=3)
-        first_dir, first_fingerprint = a.manager.disk.directory, a.manager.disk.fingerprint
-        old_hashes = {event_hash(a.manager.disk, i) for i in a.block_ids(old_kv)}
+        first_dir, first_fingerprint = a.manager.tiers["disk"].store.directory, a.manager.tiers["disk"].store.fingerprint
+        old_hashes = {event_hash(a.manager.tiers["disk"].store, i) for i in a.block_ids(old_kv)}
         a.tree.take_events()
         answer = updater_for(a).update_weights_from_disk(UpdateWeightFromDiskReqInput(model_path="new", flush_cache=False))
         assert answer.success
@@ -172,7 +172,7 @@ def test_weights_updated_without_a_flush_drop_the_tiers_and_a_restart_reads_noth
         assert a.admit(old_kv + [1], "old")[1].host_hit_length == 0
         assert old_hashes <= removed(a.tree.take_events(), "DISK")
         # The disk tier moved to an identity no server started from the files computes.
-        disk = a.manager.disk
+        disk = a.manager.tiers["disk"].store
         assert disk.fingerprint != first_fingerprint and disk.directory != first_dir and not first_dir.exists()
         # It goes on serving the new weights' KV.
         written = on_disk_only(a, new_kv, seed=4)
@@ -182,8 +182,8 @@ def test_weights_updated_without_a_flush_drop_the_tiers_and_a_restart_reads_noth
 
     b = disk_stack(tmp_path)  # a restart on the original files
     try:
-        assert b.manager.disk.directory == first_dir
-        assert len(b.manager.disk) == 0
+        assert b.manager.tiers["disk"].store.directory == first_dir
+        assert len(b.manager.tiers["disk"].store) == 0
         assert b.linker.connector.peek(b.block_ids(new_kv)) == (0, 0)
     finally:
         b.cache.close()
@@ -205,14 +205,14 @@ def test_later_updates_drop_without_moving_again(stack_factory, tmp_path):
     stack = stack_factory(host_blocks=8, disk_blocks=64, disk_dir=tmp_path)
     updater = updater_for(stack)
     updater.update_weights_from_disk(UpdateWeightFromDiskReqInput(model_path="one", flush_cache=False))
-    moved = stack.manager.disk.directory, stack.manager.disk.fingerprint
+    moved = stack.manager.tiers["disk"].store.directory, stack.manager.tiers["disk"].store.fingerprint
     tokens = list(range(400, 416))
     stack.insert(tokens, seed=6)
     stack.settle()
     assert stack.linker.connector.peek(stack.block_ids(tokens)) != (0, 0)
     updater.update_weights_from_disk(UpdateWeightFromDiskReqInput(model_path="two", flush_cache=False))
     assert stack.linker.connector.peek(stack.block_ids(tokens)) == (0, 0)
-    assert (stack.manager.disk.directory, stack.manager.disk.fingerprint) == moved  # already this run's own
+    assert (stack.manager.tiers["disk"].store.directory, stack.manager.tiers["disk"].store.fingerprint) == moved  # already this run's own
 
 
 @pytest.fixture

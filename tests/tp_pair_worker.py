@@ -92,11 +92,11 @@ def disagree_on(stack, rank, **extra):
     ids = stack.block_ids(tokens)
     if rank == 1:
         stack.manager.host.remove(ids[5:])
-        stack.manager.disk.invalidate(ids[5:], reason="test")
+        stack.manager.tiers["disk"].store.invalidate(ids[5:], reason="test")
     local = stack.linker.connector.peek(ids)
     got = admit(stack, tokens + [7], "r")
     result = {"local_hit": local, **got, "written": [w.tolist() for w in written],
-              "disk_dir": str(stack.manager.disk.directory), **extra, "events": len(stack.tree.take_events())}
+              "disk_dir": str(stack.manager.tiers["disk"].store.directory), **extra, "events": len(stack.tree.take_events())}
     stack.cache.close()
     return result
 
@@ -108,7 +108,7 @@ def corrupt(rank, group, root):
     written = on_disk_only(stack, tokens, rank)
     if rank == 1:
         victim = stack.block_ids(tokens)[3]
-        flip_bit(segment_path(stack.manager.disk, victim), data_offset(stack.manager.disk, victim) + 9)
+        flip_bit(segment_path(stack.manager.tiers["disk"].store, victim), data_offset(stack.manager.tiers["disk"].store, victim) + 9)
     first = admit(stack, tokens + [7], "first")
     second = admit(stack, tokens + [7], "second")  # rank 1 dropped page 3: both load the 3 pages before it
     stack.cache.close()
@@ -156,7 +156,7 @@ def race_on(stack, rank):
             stack.manager.wait(timeout=30)
             stack.linker.connector.poll()  # the lookup's read staged it (no collective: rank 1 only)
             stack.manager.staging.pool.remove([victim])
-            stack.manager.disk.invalidate([victim], reason="test")
+            stack.manager.tiers["disk"].store.invalidate([victim], reason="test")
 
     first = admit(stack, tokens + [7], "first", between=lose_page_1)
     second = admit(stack, tokens + [7], "second")

@@ -20,7 +20,6 @@ from typing import Any, Callable, Mapping, Optional
 from sglang_kvbm.config.values import (  # ConfigError: everyone imports it from here
     ConfigError,
     JsonKey,
-    _address,
     _block_size,
     _bool,
     _directory,
@@ -28,15 +27,14 @@ from sglang_kvbm.config.values import (  # ConfigError: everyone imports it from
     _gib_or_zero,
     _host,
     _identity_name,
-    _metadata_url,
-    _mooncake_environment,
     _port,
     _positive_float,
     _positive_int,
     _priority,
-    _protocol,
     _wait_ms,
 )
+from sglang_kvbm.tiers.mooncake import settings as mooncake
+from sglang_kvbm.tiers.object import settings as object_tier
 
 logger = logging.getLogger(__name__)
 
@@ -113,15 +111,29 @@ _VARS: tuple[_Var, ...] = (
         _positive_int,
         "requests in the sliding window of the host and disk hit rates (default 1000)",
     ),
-    _Var("SGLANG_KVBM_MOONCAKE_MASTER", "mooncake_master", _address,
+    _Var("SGLANG_KVBM_MOONCAKE_MASTER", "mooncake_master", mooncake.address,
          "Mooncake master host:port; setting it turns on the tier shared by every worker (G4)", text=True),
-    _Var("SGLANG_KVBM_MOONCAKE_METADATA", "mooncake_metadata", _metadata_url,
+    _Var("SGLANG_KVBM_MOONCAKE_METADATA", "mooncake_metadata", mooncake.metadata_url,
          "P2PHANDSHAKE (no metadata server), or a Mooncake metadata server's URL", text=True),
-    _Var("SGLANG_KVBM_MOONCAKE_PROTOCOL", "mooncake_protocol", _protocol, "tcp (default) or rdma", text=True),
+    _Var("SGLANG_KVBM_MOONCAKE_PROTOCOL", "mooncake_protocol", mooncake.protocol, "tcp (default) or rdma", text=True),
     _Var("SGLANG_KVBM_MOONCAKE_SEGMENT_GB", "mooncake_segment_gb", _gib_or_zero,
          "memory this worker lends the store (default 0: a standalone store process lends it)"),
     _Var("SGLANG_KVBM_MOONCAKE_OFFLOAD_FILTER", "mooncake_offload_filter", _bool,
          "write a block to G4 only once it was reused (KVBM's frequency filter), not every stored block"),
+    _Var("DYN_KVBM_OBJECT_ENABLED", "object_enabled", _bool, "KVBM's G4: the object tier, an S3-compatible bucket "
+         "through NIXL's OBJ backend (default 0)"),
+    _Var("DYN_KVBM_OBJECT_BUCKET", "object_bucket", object_tier.bucket,
+         "the bucket (it must exist); {worker_id} becomes this rank's number", text=True),
+    _Var("DYN_KVBM_OBJECT_ENDPOINT", "object_endpoint", object_tier.endpoint,
+         "the object store's URL, e.g. http://127.0.0.1:9000 (path-style); unset: AWS S3", text=True),
+    _Var("DYN_KVBM_OBJECT_REGION", "object_region", object_tier.text, "the bucket's region", text=True),
+    _Var("DYN_KVBM_OBJECT_ACCESS_KEY", "object_access_key", object_tier.text,
+         "with _SECRET_KEY; unset: the AWS SDK's own credentials", text=True),
+    _Var("DYN_KVBM_OBJECT_SECRET_KEY", "object_secret_key", object_tier.text, "with _ACCESS_KEY", text=True),
+    _Var("DYN_KVBM_OBJECT_WRITE_THROUGH", "object_write_through", _bool,
+         "keep a block in host after it is written to the bucket (default 1; 0: it leaves host)"),
+    _Var("DYN_KVBM_OBJECT_NUM_BLOCKS", "object_num_blocks", _positive_int,
+         "blocks the worker remembers being in the bucket (default 100000)"),
     _Var("SGLANG_KVBM_MODEL_IDENTITY", "model_identity", _identity_name,
          "names the model's weights (a version you vouch for) instead of their content digest, read at first start",
          text=True),
@@ -204,6 +216,14 @@ class KvbmConfig:
     mooncake_protocol: str = "tcp"
     mooncake_segment_gb: float = 0.0
     mooncake_offload_filter: bool = False
+    object_enabled: bool = False
+    object_bucket: Optional[str] = None
+    object_endpoint: Optional[str] = None
+    object_region: Optional[str] = None
+    object_access_key: Optional[str] = None
+    object_secret_key: Optional[str] = None
+    object_write_through: bool = True
+    object_num_blocks: int = 100_000
     model_identity: Optional[str] = None
     digest_cache: Optional[str] = None
 
@@ -262,9 +282,10 @@ class KvbmConfig:
             values[var.field] = var.parse(JsonKey(key), _json_text(var, key, raw))
         return dataclasses.replace(config, **values)._checked(os.environ if environ is None else environ)
 
-    def _checked(self, environ: Mapping[str, str]) -> "KvbmConfig":  # Mooncake's own variables that break G4
-        if self.has_g4:
-            _mooncake_environment(environ, self.mooncake_metadata)
+    def _checked(self, environ: Mapping[str, str]) -> "KvbmConfig":
+        if self.has_mooncake:  # Mooncake's own variables that break it
+            mooncake.check_environment(environ, self.mooncake_metadata)
+        object_tier.check(self)
         return self
 
     def host_blocks(self, block_bytes: int) -> int:
@@ -284,22 +305,23 @@ class KvbmConfig:
         return self.disk_cache_gb is not None or self.disk_cache_blocks is not None
 
     @property
-    def has_g4(self) -> bool:
+    def has_mooncake(self) -> bool:
         return self.mooncake_master is not None
 
     def require_a_tier(self) -> None:
         """Fail when no tier below the device is configured: the backend would do nothing."""
-        if self.has_g4 and not self.has_host:
+        if self.has_mooncake and not self.has_host:
             raise ConfigError(
                 "SGLANG_KVBM_MOONCAKE_MASTER (the shared tier) needs a host tier to stage and write through: set "
                 "DYN_KVBM_CPU_CACHE_GB (e.g. DYN_KVBM_CPU_CACHE_GB=4) or DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS"
             )
-        if self.has_g4 and self.mooncake_metadata is None:
+        if self.has_mooncake and self.mooncake_metadata is None:
             raise ConfigError(
                 "SGLANG_KVBM_MOONCAKE_MASTER is set but SGLANG_KVBM_MOONCAKE_METADATA is not: set it to P2PHANDSHAKE "
                 "(clients find each other, no metadata server), or to a metadata server's URL, e.g. "
                 "http://<host>:8080/metadata"
             )
+        object_tier.check(self)
         if not self.has_host and not self.has_disk:
             raise ConfigError(
                 "--radix-cache-backend kvbm needs a tier below the GPU: set DYN_KVBM_CPU_CACHE_GB "

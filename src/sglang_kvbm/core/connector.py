@@ -24,29 +24,52 @@ from typing import Hashable, Optional, Sequence
 from sglang_kvbm.core.hit_rate import DEFAULT_WINDOW, HitRateWindow
 from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.ports import BlockManager, EventSink, LoadPlan, StoreRequest, TierCounts, TierEventKind
-from sglang_kvbm.core.tiers import Tier
 
 logger = logging.getLogger(__name__)
 
 
+# KVBM's counter names for the per-tier counts below: (source tier, tier) of an offload, the tier of an onboard.
+KVBM_OFFLOADS = {("device", "host"): "offload_blocks_d2h", ("host", "disk"): "offload_blocks_h2d",
+                 ("device", "disk"): "offload_blocks_d2d", ("host", "object"): "offload_blocks_h2obj"}
+KVBM_ONBOARDS = {"host": "onboard_blocks_h2d", "disk": "onboard_blocks_d2d", "object": "onboard_blocks_obj2h"}
+
+
 @dataclasses.dataclass
 class ConnectorStats:
-    """Counts since start (or reset), named after KVBM's metrics where one exists."""
+    """Counts since start (or reset), per tier by name; KVBM's counters are views of them (:meth:`as_dict`)."""
 
     offloads: int = 0
     offloads_failed: int = 0  # completed False: some page is not held below (the engine may offer it again)
-    offload_blocks_d2h: int = 0  # kvbm_offload_blocks_d2h: device -> host
-    offload_blocks_h2d: int = 0  # kvbm_offload_blocks_h2d: host -> disk
-    offload_blocks_d2d: int = 0  # kvbm_offload_blocks_d2d: device -> disk
-    host_blocks_removed: int = 0
-    disk_blocks_removed: int = 0
     lookups: int = 0
     lookup_hit_blocks: int = 0
-    onboard_blocks_h2d: int = 0  # kvbm_onboard_blocks_h2d: host -> device
-    onboard_blocks_d2d: int = 0  # kvbm_onboard_blocks_d2d: disk -> device
     matched_tokens: int = 0  # kvbm_matched_tokens: tokens onboarded instead of recomputed
     failed_loads: int = 0
     skipped_by_priority: int = 0
+    offload_blocks: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # "source->tier"
+    onboard_blocks: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # tier -> blocks
+    removed_blocks: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # tier -> blocks
+    hit_blocks: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # tier -> lookup hits
+
+    def offloaded(self, source: str, tier: str) -> int:
+        return self.offload_blocks[f"{source}->{tier}"]
+
+    # KVBM's counters, read from the per-tier counts
+    offload_blocks_d2h = property(lambda self: self.offloaded("device", "host"))
+    offload_blocks_h2d = property(lambda self: self.offloaded("host", "disk"))
+    offload_blocks_d2d = property(lambda self: self.offloaded("device", "disk"))
+    offload_blocks_h2obj = property(lambda self: self.offloaded("host", "object"))
+    onboard_blocks_h2d = property(lambda self: self.onboard_blocks["host"])
+    onboard_blocks_d2d = property(lambda self: self.onboard_blocks["disk"])
+    onboard_blocks_obj2h = property(lambda self: self.onboard_blocks["object"])
+
+    def as_dict(self) -> dict:
+        """Every count, per tier, and KVBM's names beside them (the snapshot ``/stats`` and the metrics read)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for key in ("offload_blocks", "onboard_blocks", "removed_blocks", "hit_blocks"):
+            out[key] = dict(out[key])
+        out.update({kvbm: self.offloaded(*path) for path, kvbm in KVBM_OFFLOADS.items()})
+        out.update({kvbm: self.onboard_blocks[tier] for tier, kvbm in KVBM_ONBOARDS.items()})
+        return out
 
 
 class KvbmConnector:
@@ -120,14 +143,15 @@ class KvbmConnector:
         """How many leading blocks the lower tiers can serve now (records KVBM's hit rates)."""
         if not block_ids:
             return 0
-        hit, host = self._manager.lookup(block_ids)
-        self.hit_rates.record(request, host, hit - host, len(block_ids))
+        hit, found = self._manager.lookup(block_ids)
+        self.hit_rates.record(request, found, len(block_ids))
         self.stats.lookups += 1
         self.stats.lookup_hit_blocks += hit
+        self.stats.hit_blocks.update(found)
         return hit
 
     def peek(self, block_ids: Sequence[BlockId]) -> tuple[int, int]:
-        """Leading blocks held in host, and in host or disk, right now; changes nothing."""
+        """Leading blocks held in host, and in host or a tier below it that announces its blocks, right now."""
         return self._manager.peek(block_ids) if block_ids else (0, 0)
 
     def acquire(self, block_ids: Sequence[BlockId]) -> Optional[LoadPlan]:
@@ -142,9 +166,8 @@ class KvbmConnector:
         """The copies of a load are over; count it if its bytes reached the device."""
         self._manager.release(plan)
         if landed:
-            self.stats.onboard_blocks_h2d += plan.host_blocks
-            self.stats.onboard_blocks_d2d += plan.disk_blocks
-            self.stats.matched_tokens += (plan.host_blocks + plan.disk_blocks) * self._page_size
+            self.stats.onboard_blocks.update(plan.by_tier)
+            self.stats.matched_tokens += plan.blocks * self._page_size
         else:
             self.stats.failed_loads += 1
 
@@ -153,7 +176,7 @@ class KvbmConnector:
         self._manager.release(plan, reused=False)
         self.stats.failed_loads += 1
         logger.info("kvbm: load of %d blocks refused (%s); the request recomputes them",
-                    plan.host_blocks + plan.disk_blocks, why)
+                    plan.blocks, why)
 
     def cancel(self, plan: LoadPlan) -> None:
         """A load that will not run (its request went away, or the cache was reset): unpin, count nothing."""
@@ -171,19 +194,13 @@ class KvbmConnector:
         for event in result.events:
             n = len(event.blocks)
             if event.kind is TierEventKind.STORED:
-                self._sink.stored(event.tier, event.blocks)
-                if event.tier is Tier.HOST:
-                    stats.offload_blocks_d2h += n
-                elif event.source is Tier.HOST:
-                    stats.offload_blocks_h2d += n
-                elif event.source is Tier.DEVICE:
-                    stats.offload_blocks_d2d += n
+                if event.medium is not None:
+                    self._sink.stored(event.medium, event.blocks)
+                stats.offload_blocks[f"{event.source}->{event.tier}"] += n
             else:
-                self._sink.removed(event.tier, event.blocks)
-                if event.tier is Tier.HOST:
-                    stats.host_blocks_removed += n
-                else:
-                    stats.disk_blocks_removed += n
+                if event.medium is not None:
+                    self._sink.removed(event.medium, event.blocks)
+                stats.removed_blocks[event.tier] += n
         for ticket, ok in result.completed:
             self._results[ticket] = ok
 
@@ -191,10 +208,11 @@ class KvbmConnector:
         """Replace the snapshot other threads read (counters, rates, occupancy, plus ``extra``)."""
         snapshot = {
             "published_at": time.time(),  # so a reader knows how fresh it is
-            "connector": dataclasses.asdict(self.stats),
+            "connector": self.stats.as_dict(),
             "host_hit_rate": self.hit_rates.host_rate,
             "disk_hit_rate": self.hit_rates.disk_rate,
-            "tiers": {c.tier.name.lower(): (c.blocks, c.capacity) for c in self.counts()},
+            "hit_rates": self.hit_rates.rates(),
+            "tiers": {c.tier: (c.blocks, c.capacity) for c in self.counts()},
             **extra,
         }
         with self._publish_lock:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import uuid
 from typing import Optional, Sequence
 
 BlockId = str
@@ -95,3 +96,14 @@ def event_id(block_id: BlockId) -> int:
     """The int64 a KV event carries for an un-namespaced page: first 8 bytes, big-endian, signed."""
     value = int(block_id[:16], 16)
     return value - (1 << 64) if value >= (1 << 63) else value
+
+
+def rekeyed(fingerprint: bytes, reason: str) -> bytes:
+    """A new identity for a running server whose weights were replaced in memory (``reason`` says how).
+
+    Derived from the old one, the reason and a random draw: no server started
+    from files, nor this one after a restart, ever computes it, so what the
+    disk tier writes from now on is never read by another server.
+    """
+    draw = f"weights updated in memory: {reason}: {uuid.uuid4().hex}".encode()
+    return hashlib.sha256(fingerprint + draw).digest()[:16]

@@ -66,15 +66,19 @@ class TierEventKind(enum.Enum):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TierEvent:
-    """A change in what a lower tier holds, in publication order.
+    """A change in what a tier below the device holds, in the order it happened.
 
-    ``source`` is the tier a stored block was copied from (None when unknown).
+    ``tier`` is the tier's name (``host``, ``disk``, ``mooncake``, ``object``), ``source`` the name of the tier a
+    stored block was copied from (``device``, ``host``; None when unknown). ``medium`` is the medium of the KV
+    events the change is published as; None for a tier that announces nothing to the router (it is counted all
+    the same).
     """
 
     kind: TierEventKind
-    tier: Tier
+    tier: str
     blocks: tuple[BlockMeta, ...]
-    source: Optional[Tier] = None
+    source: Optional[str] = None
+    medium: Optional[Tier] = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -85,22 +89,28 @@ class PollResult:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TierCounts:
-    """Pages a tier holds (registered, i.e. servable) and its capacity."""
+    """Pages a tier holds (registered, i.e. servable) and its capacity; ``tier`` is its name."""
 
-    tier: Tier
+    tier: str
     blocks: int
     capacity: int
 
 
 class LoadPlan(Protocol):
-    """Blocks pinned for one load: what the copies read, until released."""
+    """Blocks pinned for one load: what the copies read, until released.
 
-    host_blocks: int
-    disk_blocks: int
+    ``by_tier``: how many of its blocks each tier served, by tier name (``host``, ``disk``, ``mooncake``, ...).
+    """
+
+    @property
+    def by_tier(self) -> dict[str, int]: ...
+
+    @property
+    def blocks(self) -> int: ...
 
 
 class BlockManager(Protocol):
-    """The tiers below the engine's device pool (G2 host, G3 disk).
+    """The tiers below the engine's device pool: host (G2) and the chain below it (disk, mooncake, object).
 
     Contract, for every implementation:
 
@@ -113,13 +123,15 @@ class BlockManager(Protocol):
       A failed copy is never visible and never announced. A block whose parent
       is held nowhere below is not kept (it could never be hit).
     * :meth:`lookup` counts how many leading ids the tiers can serve now (and
-      how many of those the host holds), and may start reading disk-resident
-      ones into host staging. It reserves nothing: :meth:`acquire` checks again.
+      how many of those each tier serves, by name), and may start reading the
+      ones below host into host staging. It reserves nothing: :meth:`acquire`
+      checks again.
     * :meth:`peek` answers, changing nothing, how many leading ids are in the
-      host tier, and how many in host or disk.
+      host tier, and how many in host or a tier below it that announces its
+      blocks in KV events (what the router sees).
     * :meth:`acquire` pins *all* the named blocks for a load, or none (None).
-      Disk bytes are read and verified before it returns; bytes that cannot be
-      proven intact are a miss (and dropped, with their ``REMOVED`` event).
+      Bytes below host are read and verified before it returns; bytes that cannot
+      be proven intact are a miss (and dropped, with their ``REMOVED`` event).
       :meth:`release` unpins them once the copies are done (``reused``: the
       load ran, which counts as a use of the blocks).
     * :meth:`poll` never blocks. It returns the finished store tickets, in
@@ -132,7 +144,7 @@ class BlockManager(Protocol):
 
     def store(self, request: StoreRequest) -> int: ...
 
-    def lookup(self, block_ids: Sequence[BlockId]) -> tuple[int, int]: ...
+    def lookup(self, block_ids: Sequence[BlockId]) -> tuple[int, dict[str, int]]: ...
 
     def peek(self, block_ids: Sequence[BlockId]) -> tuple[int, int]: ...
 

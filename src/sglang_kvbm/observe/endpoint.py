@@ -13,7 +13,6 @@ from typing import Optional
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from sglang_kvbm.config import KvbmConfig
-from sglang_kvbm.integration.sglang.tier_query import g4_tokens
 from sglang_kvbm.observe.http_server import KvbmHttpServer, json_reply
 from sglang_kvbm.observe.metrics import KvbmMetrics
 
@@ -24,27 +23,23 @@ def stats_of(linker) -> dict:
     """What ``/stats`` carries besides the connector's counters (scheduler thread, once per publish)."""
     manager = linker.manager
     sidecars = linker.sidecars.managers
+    block = linker.layout.block_bytes
     extra = {
-        "local": manager.stats.__dict__.copy(),
+        "local": manager.stats,
         "in_flight": len(manager.in_flight()) + sum(len(m.in_flight()) for m in sidecars.values()),
         "events": {"held": linker.orderer.held(), "held_total": linker.orderer.held_total, "dropped": linker.orderer.dropped},
         "offloads_refused_outside_insert": linker.offloads_refused_outside_insert,
-        "block_bytes": {"host": linker.layout.block_bytes, "disk": manager.disk.slot_bytes if manager.disk is not None else 0},
+        "block_bytes": {"host": block, **{name: tier.header_bytes + block for name, tier in manager.tiers.items()}},
+        "chain": ["host", *manager.tiers],
     }
     if sidecars:  # hybrid models: each sidecar pool's tiers (sliding-window pages, Mamba states), by pool
-        extra["sidecars"] = {name: {"tiers": {c.tier.name.lower(): (c.blocks, c.capacity) for c in m.counts()},
-                                    "block_bytes": m.layout.block_bytes, "local": m.stats.__dict__.copy()}
+        extra["sidecars"] = {name: {"tiers": {c.tier: (c.blocks, c.capacity) for c in m.counts()},
+                                    "block_bytes": m.layout.block_bytes, "local": m.stats}
                              for name, m in sidecars.items()}
-    if manager.g4 is not None:  # the shared tier: what this worker wrote, fetched and rejected, and whether it is up
-        extra["g4"] = {**manager.g4.stats, "up": not manager.g4.down, "connected": manager.g4.connected,
-                       "write_through": manager.g4_writes.written, "staged": manager.staging.g4_staged}
     if manager.host is not None:
         extra["host"] = manager.host.accounting()
-    if manager.disk is not None:
-        disk = dict(manager.disk.stats.__dict__)
-        disk["invalidated"] = dict(manager.disk.stats.invalidated)
-        disk.update(manager.disk.accounting())
-        extra["disk"] = disk
+    for name, tier in manager.tiers.items():  # each tier below host, under its name
+        extra[name] = tier.stats
     if linker.cache is not None:
         allocator = linker.cache.token_to_kv_pool_allocator
         extra["device"] = {
@@ -64,18 +59,42 @@ def metrics_of(snapshot: dict) -> dict:
         name: (blocks, capacity, blocks * block_bytes.get(name, 0))
         for name, (blocks, capacity) in snapshot.get("tiers", {}).items()
     }
+    remote = {name: snapshot.get(name, {}) for name in snapshot.get("chain", ()) if "lookup_hits" in snapshot.get(name, {})}
+    obj = remote.get("object", {})
     return {
-        "kvbm_offload_blocks_d2h": stats.get("offload_blocks_d2h", 0),
-        "kvbm_offload_blocks_h2d": stats.get("offload_blocks_h2d", 0),
-        "kvbm_offload_blocks_d2d": stats.get("offload_blocks_d2d", 0),
-        "kvbm_onboard_blocks_h2d": stats.get("onboard_blocks_h2d", 0),
-        "kvbm_onboard_blocks_d2d": stats.get("onboard_blocks_d2d", 0),
-        "kvbm_matched_tokens": stats.get("matched_tokens", 0),
+        **{f"kvbm_{name}": stats.get(name, 0) for name in (
+            "offload_blocks_d2h", "offload_blocks_h2d", "offload_blocks_d2d", "offload_blocks_h2obj",
+            "onboard_blocks_h2d", "onboard_blocks_d2d", "onboard_blocks_obj2h", "matched_tokens")},
+        "kvbm_g4_lookup_hits": obj.get("lookup_hits", 0),  # KVBM's G4 is its object tier
+        "kvbm_g4_lookup_misses": obj.get("lookup_misses", 0),
         "kvbm_host_cache_hit_rate": snapshot.get("host_hit_rate", 0.0),
         "kvbm_disk_cache_hit_rate": snapshot.get("disk_hit_rate", 0.0),
         "tiers": tiers,
         "invalidated": snapshot.get("disk", {}).get("invalidated", {}),
+        "per_tier": {  # every tier by name: what it served, took, lost, and (remote tiers) was asked for in vain
+            "onboard_blocks": stats.get("onboard_blocks", {}),
+            "offload_blocks": stats.get("offload_blocks", {}),
+            "removed_blocks": stats.get("removed_blocks", {}),
+            "lookup_hit_blocks": stats.get("hit_blocks", {}),
+            "hit_rate": snapshot.get("hit_rates", {}),
+            "lookup_misses": {name: tier["lookup_misses"] for name, tier in remote.items()},
+        },
     }
+
+
+def remote_tokens(tiers, served: int, beyond, page_size: int) -> dict:
+    """Tokens every tier down to each remote tier would serve (cumulative, as ``device``/``host``/``disk``), or None
+    for one that is not reachable now. They ask the tiers: never on the scheduler thread."""
+    out, ids = {}, list(beyond)
+    for tier in tiers:
+        found = tier.ask(ids)  # None while the tier is down, whatever there is left to ask
+        if found is None:
+            out[tier.name] = None
+            continue
+        run = found.index(False) if False in found else len(found)
+        served, ids = served + run * page_size, ids[run:]
+        out[tier.name] = served
+    return out
 
 
 def start_http(linker, config: KvbmConfig, metrics: Optional[KvbmMetrics], *, port_offset: int = 0):
@@ -87,8 +106,8 @@ def start_http(linker, config: KvbmConfig, metrics: Optional[KvbmMetrics], *, po
             return json_reply({"error": "token_ids must be non-negative integers"}, 400)
         answer = linker.query_tiers(token_ids, extra_key=body.get("extra_key"), cache_salt=body.get("cache_salt"))
         reply = answer.counts()
-        if linker.manager.g4 is not None:  # null: G4 configured but not reachable now
-            reply["g4"] = g4_tokens(linker.manager.g4, answer, linker.page_size)
+        reply.update(remote_tokens([t for t in linker.manager.tiers.values() if not t.indexed], answer.disk,
+                                   answer.beyond, linker.page_size))
         return json_reply(reply)
 
     routes = {

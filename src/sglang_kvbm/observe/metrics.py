@@ -26,9 +26,22 @@ KVBM_COUNTERS = {
     "kvbm_offload_blocks_d2h": "Offload blocks from device to host",
     "kvbm_offload_blocks_h2d": "Offload blocks from host to disk",
     "kvbm_offload_blocks_d2d": "Offload blocks from device to disk (bypassing host)",
+    "kvbm_offload_blocks_h2obj": "Offload blocks from host to object storage",
     "kvbm_onboard_blocks_h2d": "Onboard blocks from host to device",
     "kvbm_onboard_blocks_d2d": "Onboard blocks from disk to device",
+    "kvbm_onboard_blocks_obj2h": "Onboard blocks from object storage to host",
+    "kvbm_g4_lookup_hits": "Blocks found in object storage (G4) by lookups",
+    "kvbm_g4_lookup_misses": "Blocks looked up in object storage (G4) and not found",
     "kvbm_matched_tokens": "Number of matched tokens",
+}
+# Every tier by name (``host``, ``disk``, ``mooncake``, ``object``): this library's, KVBM has no per-tier family.
+PER_TIER = {
+    "onboard_blocks": ("kvbm_tier_onboard_blocks", "Blocks a tier served to the device", ["tier"]),
+    "offload_blocks": ("kvbm_tier_offload_blocks", "Blocks a tier took, by the tier they came from",
+                       ["source", "tier"]),
+    "removed_blocks": ("kvbm_tier_removed_blocks", "Blocks a tier evicted or dropped", ["tier"]),
+    "lookup_hit_blocks": ("kvbm_tier_lookup_hit_blocks", "Blocks lookups found in a tier", ["tier"]),
+    "lookup_misses": ("kvbm_tier_lookup_miss_blocks", "Blocks asked of a remote tier and not found", ["tier"]),
 }
 KVBM_GAUGES = {
     "kvbm_host_cache_hit_rate": "Host cache hit rate (0.0-1.0)",
@@ -65,6 +78,18 @@ class KvbmMetrics:
             yield metric
         for name, doc in KVBM_GAUGES.items():
             yield GaugeMetricFamily(name, doc, value=float(snap.get(name, 0.0)))
+        per_tier = snap.get("per_tier", {})
+        for key, (name, doc, labels) in PER_TIER.items():
+            metric = Metric(name, doc, "unknown")
+            for label, n in per_tier.get(key, {}).items():
+                values = label.split("->") if len(labels) == 2 else [label]
+                metric.add_sample(name, dict(zip(labels, values)), float(n))
+            yield metric
+        rates = GaugeMetricFamily("kvbm_tier_hit_rate", "A tier's share of the blocks looked up below the device "
+                                  "(KVBM's window)", labels=["tier"])
+        for tier, rate in per_tier.get("hit_rate", {}).items():
+            rates.add_metric([tier], rate)
+        yield rates
         moved = Metric("kvbm_transfer_bytes", "Bytes moved between tiers, per path", "unknown")
         with self._lock:
             for path, nbytes in self._bytes.items():

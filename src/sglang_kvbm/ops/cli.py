@@ -7,6 +7,8 @@ import logging
 import sys
 from typing import Optional, Sequence
 
+from sglang_kvbm.tiers import registry
+
 
 def _positive_int(raw: str) -> int:
     try:
@@ -27,15 +29,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     events.add_argument("endpoint", help="the worker's --kv-events-config endpoint, e.g. tcp://127.0.0.1:5557")
     events.add_argument("--replay", metavar="ENDPOINT", help="its replay_endpoint: print the buffered history first")
     events.add_argument("--seconds", type=float, help="stop after this long without (or with) events")
-    relay = sub.add_parser(
-        "mooncake-events",
-        help="publish a Mooncake master's objects as its KV events, for Dynamo's --shared-cache-type hicache",
-    )
-    relay.add_argument("--master-http", required=True, metavar="HOST:PORT",
-                       help="the master's HTTP port (mooncake_master --metrics_port, default 9003)")
-    relay.add_argument("--bind", default="tcp://127.0.0.1:5557", metavar="ENDPOINT",
-                       help="where routers subscribe: the workers' DYN_MOONCAKE_KV_EVENTS_ENDPOINT")
-    relay.add_argument("--interval", type=float, default=1.0, metavar="SECONDS", help="how often the master is read")
+    registry.add_commands(sub)  # the tiers' own (the shared tier's event relay)
     doctor = sub.add_parser("doctor", help="check versions, CUDA, configuration, memory and the disk directory")
     doctor.add_argument(
         "--block-bytes",
@@ -65,18 +59,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from sglang_kvbm.integration.sglang.events_view import watch
 
         return watch(args.endpoint, replay_endpoint=args.replay, seconds=args.seconds)
-    if args.command == "mooncake-events":
-        from sglang_kvbm.tiers.mooncake.events import EventRelay
-
-        url = args.master_http if "://" in args.master_http else f"http://{args.master_http}"
-        relay = EventRelay(url, args.bind, interval=args.interval)
-        try:
-            relay.run()
-        except KeyboardInterrupt:
-            pass
-        finally:
-            relay.close()
-        return 0
+    result = registry.run_command(args)
+    if result is not None:
+        return result
     parser.error(f"unknown command {args.command}")
     return 2
 

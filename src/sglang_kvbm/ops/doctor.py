@@ -30,6 +30,7 @@ from typing import Optional, TextIO
 
 from sglang_kvbm.config import GIB, ConfigError, KvbmConfig
 from sglang_kvbm.ops.versions import SUPPORTED_SGLANG, check_sglang_version
+from sglang_kvbm.tiers import registry
 
 MIB = 1 << 20
 ASSUMED_BLOCK_BYTES = 2 * MIB
@@ -189,13 +190,11 @@ def diagnose(environ=None, *, block_bytes: Optional[int] = None, page_size: Opti
         rows.append(Row("configuration", "FAIL", str(exc)))
         return rows
     set_vars = sorted(k for k in environ if k.startswith(("DYN_KVBM_", "SGLANG_KVBM_")))
-    rows.append(Row("configuration", "ok", ", ".join(f"{k}={environ[k]}" for k in set_vars) or "nothing set"))
+    shown = (f"{k}=<hidden>" if "SECRET" in k or k.endswith("_KEY") else f"{k}={environ[k]}" for k in set_vars)
+    rows.append(Row("configuration", "ok", ", ".join(shown) or "nothing set"))  # credentials are not printed
     rows.append(Row("backend", "ok", "local (host memory and disk through NIXL; events on SGLang's stream)"))
     _tiers(rows, config, block_bytes, page_size)
-    if config.has_g4:
-        from sglang_kvbm.tiers.mooncake.doctor import g4_rows
-
-        rows.extend(Row(*row) for row in g4_rows(config, environ))
+    rows.extend(Row(*row) for row in registry.doctor_rows(config, environ))
     if config.metrics:
         rows.append(Row("metrics", "ok", f"http://{config.http_host}:{config.metrics_port}/metrics"))
     return rows

@@ -1,15 +1,15 @@
-"""Copies down, and their completions: device -> host, device -> disk, host -> disk.
+"""Copies down from the device, and their completions: device -> host, and device -> disk when no host row is free.
 
 The scheduler thread reserves room and submits; one thread per path copies
 (see ``copies``; each with its own CUDA stream, made before it starts). The
-disk writer serves device -> disk copies (which the tree waits for, in order)
-ahead of background host -> disk writes (see ``lanes``). A
-store's pages go into host rows while rows can be had (least recently used
-host blocks are evicted for them), the rest straight to disk; a host block
-the frequency filter says was reused is written to disk, its row pinned
-meanwhile. :meth:`Offloads.collect` registers what finished, in submission
-order: a page becomes visible (and is announced) only once its bytes are there
-and its parent is held somewhere below.
+disk tier's writer serves device -> disk copies (which the tree waits for, in
+order) ahead of its background host -> disk writes (see ``lanes``). A store's
+pages go into host rows while rows can be had (least recently used host
+blocks are evicted for them), the rest straight to disk. What the host tier
+registers is offered to the lower tiers (``manager``), whose own writes start
+from host rows. :meth:`Offloads.collect` registers what finished, in
+submission order: a page becomes visible (and is announced) only once its
+bytes are there and its parent is held somewhere below.
 
 Completions of a cache generation that was reset or dropped since touch
 nothing of the new one: their blocks were forgotten with the tiers (and the
@@ -30,7 +30,6 @@ from itertools import compress
 from typing import Callable, Optional, Sequence
 
 from sglang_kvbm.core.identity import BlockId
-from sglang_kvbm.core.offload_filter import FrequencyFilter
 from sglang_kvbm.core.ports import BlockMeta, StoreRequest, TierEvent, TierEventKind
 from sglang_kvbm.core.tiers import Tier
 from sglang_kvbm.transfer import copies
@@ -38,60 +37,53 @@ from sglang_kvbm.transfer.lanes import LaneExecutor
 
 logger = logging.getLogger(__name__)
 _parent_id = operator.attrgetter("parent_id")
+MEDIA = {"host": Tier.HOST, "disk": Tier.DISK}  # the KV events' medium of what this module changes
 
 
 @dataclasses.dataclass(frozen=True)
 class _Job:
-    """A copy down: device -> host (``target`` HOST), device -> disk, or host -> disk (``ticket`` None)."""
+    """A copy down: device -> host (``target`` "host") or device -> disk (``target`` "disk")."""
 
-    ticket: Optional[int]
-    target: Tier
+    ticket: int
+    target: str
     ids: tuple[BlockId, ...]
     slots: tuple  # host rows, or disk reservations
     generation: int
     future: Future
-    host_rows: tuple[int, ...] = ()  # host -> disk: the pinned rows it reads
-    metas: tuple[BlockMeta, ...] = ()  # host -> disk: known up front
 
 
 @dataclasses.dataclass
-class LocalStats:
+class OffloadStats:
     stores_submitted: int = 0
     store_failures: int = 0
     blocks_not_stored_no_room: int = 0
     blocks_dropped_unreachable: int = 0
-    disk_writes_submitted: int = 0
-    disk_write_failures: int = 0
-    load_waits: int = 0  # loads that waited for their own disk reads
-    load_waits_expired: int = 0  # of which gave up past the read meter's estimate (the request recomputed)
-    g4_waits_expired: int = 0  # lookups that stopped waiting for a G4 fetch (it stages for a later request)
 
 
 class Offloads:
-    def __init__(self, layout, host, disk, offload_filter: Optional[FrequencyFilter], stats: LocalStats,
-                 emit: Callable[[TierEvent], None], observe: Callable[[str, int, float], None],
-                 executor: Optional[Executor] = None, writer: Optional[LaneExecutor] = None) -> None:
-        """``executor`` (tests) replaces the device -> host worker, ``writer`` the disk writer; one job at a time."""
-        self.layout, self.host, self.disk = layout, host, disk
-        self._filter = offload_filter
-        self.stats = stats
+    def __init__(self, layout, host, disk, emit: Callable[[TierEvent], None],
+                 observe: Callable[[str, int, float], None], executor: Optional[Executor] = None) -> None:
+        """``disk``: the disk tier (``DiskTier``) device pages go to when no host row is free, or None;
+        ``executor`` (tests) replaces the device -> host worker; one job at a time."""
+        self.layout, self.host = layout, host
+        self._disk = disk
+        self.disk = disk.store if disk is not None else None
+        self.stats = OffloadStats()
         self._emit = emit
         self._observe = observe
         # Threads start now (their CUDA device and staging with them, not mid-serving).
         self._offload = executor or LaneExecutor("kvbm-offload", layout.worker_init())
         self._offload_stream = layout.new_stream()
-        self._writer = (writer or LaneExecutor("kvbm-disk-write", layout.worker_init())) if disk is not None else None
         self._writer_stream = layout.new_stream() if disk is not None else None
         self._jobs: deque[_Job] = deque()  # device -> lower tier, in submission order
-        self._writes: deque[_Job] = deque()  # host -> disk
         self._tickets = itertools.count(1)
         self._parts: dict[int, list] = {}  # ticket -> [jobs left, every page held]
         self._done: list[tuple[int, bool]] = []
         self._generation = 0
 
-    def _removed(self, tier: Tier, metas: Sequence[BlockMeta]) -> None:
+    def _removed(self, tier: str, metas: Sequence[BlockMeta]) -> None:
         if metas:
-            self._emit(TierEvent(TierEventKind.REMOVED, tier, tuple(metas)))
+            self._emit(TierEvent(TierEventKind.REMOVED, tier, tuple(metas), None, MEDIA[tier]))
 
     def store(self, request: StoreRequest) -> int:
         ticket = next(self._tickets)
@@ -102,24 +94,24 @@ class Offloads:
         todo = list(compress(range(len(ids)), map(operator.not_, top.held(ids))))
         if todo and host is not None:
             rows, evicted = host.reserve([ids[i] for i in todo])
-            self._removed(Tier.HOST, evicted)
+            self._removed("host", evicted)
             if rows:
                 positions, todo = todo[: len(rows)], todo[len(rows) :]
                 future = self._offload.submit(
                     copies.device_to_host, self.layout, self._offload_stream, request, positions, host.slab, rows
                 )
-                self._submit(_Job(ticket, Tier.HOST, tuple(map(ids.__getitem__, positions)), tuple(rows), self._generation,
+                self._submit(_Job(ticket, "host", tuple(map(ids.__getitem__, positions)), tuple(rows), self._generation,
                                   future))
         if todo and disk is not None:
             todo = list(compress(todo, map(operator.not_, disk.held(list(map(ids.__getitem__, todo))))))
             reserved, evicted = disk.reserve(list(map(ids.__getitem__, todo)))
-            self._removed(Tier.DISK, evicted)
+            self._removed("disk", evicted)
             if reserved:
                 positions, todo = todo[: len(reserved)], todo[len(reserved) :]
-                future = self._writer.submit_urgent(
+                future = self._disk.writer.submit_urgent(
                     copies.device_to_disk, self.layout, self._writer_stream, disk, request, positions, reserved
                 )
-                self._submit(_Job(ticket, Tier.DISK, tuple(r.block_id for r in reserved), tuple(reserved),
+                self._submit(_Job(ticket, "disk", tuple(r.block_id for r in reserved), tuple(reserved),
                                   self._generation, future))
         if todo:
             self.stats.blocks_not_stored_no_room += len(todo)
@@ -133,32 +125,11 @@ class Offloads:
         self._parts[job.ticket][0] += 1
         self.stats.stores_submitted += 1
 
-    def offer_to_disk(self, metas: Sequence[BlockMeta]) -> None:
-        """Host blocks that earned a disk copy (KVBM's frequency filter): pin their rows, write them."""
-        if self.disk is None or not metas:
-            return
-        if self._filter is not None:
-            metas = [m for m in metas if self._filter.offer(m.block_id)]
-        todo = [m for m in metas if self.host.registered(m.block_id) and not self.disk.holds(m.block_id)]
-        if not todo:
-            return
-        reserved, evicted = self.disk.reserve([m.block_id for m in todo])
-        self._removed(Tier.DISK, evicted)
-        if not reserved:
-            return
-        todo = todo[: len(reserved)]
-        ids = tuple(m.block_id for m in todo)
-        rows = self.host.pin(ids)
-        future = self._writer.submit(copies.host_to_disk, self.disk, reserved, todo, self.host.slab, rows)
-        self._writes.append(_Job(None, Tier.DISK, ids, tuple(reserved), self._generation, future, tuple(rows), tuple(todo)))
-        self.stats.disk_writes_submitted += 1
-
     def collect(self) -> list[tuple[int, bool]]:
         """Finished offload tickets, in order, after registering what their copies wrote."""
-        earned: list[BlockMeta] = []
         while self._jobs and self._jobs[0].future.done():
             job = self._jobs.popleft()
-            held = self._finish_store(job, earned)
+            held = self._finish_store(job)
             part = self._parts.get(job.ticket)
             if part is not None:
                 part[0] -= 1
@@ -166,19 +137,16 @@ class Offloads:
                 if not part[0]:
                     del self._parts[job.ticket]
                     self._done.append((job.ticket, part[1]))
-        while self._writes and self._writes[0].future.done():
-            self._finish_write(self._writes.popleft())
-        self.offer_to_disk(earned)
         done, self._done = self._done, []
         return done
 
-    def _finish_store(self, job: _Job, earned: list[BlockMeta]) -> bool:
+    def _finish_store(self, job: _Job) -> bool:
         """Register what a device -> host/disk copy wrote; True when all of its pages are held now."""
         error = _error_of(job.future)
-        pool = self.host if job.target is Tier.HOST else self.disk
+        pool = self.host if job.target == "host" else self.disk
         if job.generation != self._generation or error is not None:
             if error is not None and error is not _CANCELLED:
-                logger.error("kvbm: device->%s copy of %d blocks failed: %r", job.target.name.lower(), len(job.ids), error)
+                logger.error("kvbm: device->%s copy of %d blocks failed: %r", job.target, len(job.ids), error)
                 self.stats.store_failures += 1
             self._abort(job)
             return False
@@ -188,18 +156,17 @@ class Offloads:
         if reachable < len(metas):  # a page whose parent is held nowhere below could never be hit
             self.stats.blocks_dropped_unreachable += len(metas) - reachable
         keep = metas[:reachable]
-        if job.target is Tier.HOST:
+        if job.target == "host":
             pool.abort(job.ids[reachable:], job.slots[reachable:])
             pool.commit(keep, job.slots[:reachable])
             self._observe("d2h", reachable * self.layout.page_bytes, seconds)
-            self._emit(TierEvent(TierEventKind.STORED, Tier.HOST, tuple(keep), Tier.DEVICE))
-            earned.extend(keep)
+            self._emit(TierEvent(TierEventKind.STORED, "host", tuple(keep), "device", Tier.HOST))
         else:
             headers = result[1]
             self.disk.abort(job.slots[reachable:])
             registered = self.disk.commit(job.slots[:reachable], headers[:reachable])
             self._observe("d2d", reachable * self.disk.slot_bytes, seconds)
-            self._emit(TierEvent(TierEventKind.STORED, Tier.DISK, tuple(registered), Tier.DEVICE))
+            self._emit(TierEvent(TierEventKind.STORED, "disk", tuple(registered), "device", Tier.DISK))
             reachable = len(registered)
         return reachable == len(metas)
 
@@ -217,24 +184,8 @@ class Offloads:
             return i
         return len(metas)
 
-    def _finish_write(self, job: _Job) -> None:
-        if job.generation == self._generation:
-            self.host.unpin(job.ids)
-        self.host.release_orphans(job.host_rows)  # rows of a forgotten generation: free now
-        error = _error_of(job.future)
-        if job.generation != self._generation or error is not None:
-            if error is not None and error is not _CANCELLED:
-                logger.error("kvbm: host->disk write of %d blocks failed: %r", len(job.ids), error)
-                self.stats.disk_write_failures += 1
-            self.disk.abort(job.slots)
-            return
-        headers, seconds = job.future.result()
-        registered = self.disk.commit(job.slots, headers)
-        self._observe("h2d", len(registered) * self.disk.slot_bytes, seconds)
-        self._emit(TierEvent(TierEventKind.STORED, Tier.DISK, tuple(registered), Tier.HOST))
-
     def _abort(self, job: _Job) -> None:
-        if job.target is Tier.HOST:
+        if job.target == "host":
             self.host.abort(job.ids, job.slots)
         else:
             self.disk.abort(job.slots)
@@ -244,7 +195,7 @@ class Offloads:
         return self._generation
 
     def futures(self) -> list[Future]:
-        return [job.future for job in self._jobs] + [job.future for job in self._writes]
+        return [job.future for job in self._jobs]
 
     def reset(self, *, keep_tickets: bool = False) -> None:
         """A new generation: copies in flight register nothing when they end.
@@ -259,9 +210,7 @@ class Offloads:
             self._done.clear()
 
     def shutdown(self) -> None:
-        for executor in (self._offload, self._writer):
-            if executor is not None:
-                executor.shutdown(wait=True, cancel_futures=True)
+        self._offload.shutdown(wait=True, cancel_futures=True)
 
 
 def _error_of(future: Future) -> Optional[BaseException]:

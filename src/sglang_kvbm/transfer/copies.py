@@ -31,7 +31,6 @@ from typing import Optional, Sequence
 import torch
 
 from sglang_kvbm.core.ports import BlockMeta, StoreRequest
-from sglang_kvbm.core.tiers import Tier
 from sglang_kvbm.transfer.indexes import index, run_start, to_device
 from sglang_kvbm.transfer.kv_layout import PagedKvLayout
 
@@ -90,14 +89,14 @@ class LoadBatch:
 
     # (slab, rows, pages, runs): runs as PagedKvLayout.load_layer takes them, found once per batch
     sources: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[tuple]], ...]
-    blocks: dict  # Tier -> blocks loaded from it (HOST; DISK via staging)
+    blocks: dict  # source ("host", "staging") -> blocks loaded from it
     nbytes: int
 
 
-def load_batch(layout: PagedKvLayout, parts: Sequence[tuple[torch.Tensor, Sequence[int], torch.Tensor, Tier]]) -> LoadBatch:
-    """Merge ``(slab, rows, device pages, tier)`` parts into one batch, one entry per slab."""
+def load_batch(layout: PagedKvLayout, parts: Sequence[tuple[torch.Tensor, Sequence[int], torch.Tensor, str]]) -> LoadBatch:
+    """Merge ``(slab, rows, device pages, source)`` parts into one batch, one entry per slab."""
     by_slab: dict[int, tuple[torch.Tensor, list, list]] = {}
-    blocks = {Tier.HOST: 0, Tier.DISK: 0}
+    blocks = {"host": 0, "staging": 0}
     for slab, rows, pages, tier in parts:
         if not len(rows):
             continue

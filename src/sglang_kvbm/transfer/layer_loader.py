@@ -24,7 +24,6 @@ import threading
 import time
 from typing import Callable, Optional, Sequence
 
-from sglang_kvbm.core.tiers import Tier
 from sglang_kvbm.tiers.manager import LocalBlockManager
 from sglang_kvbm.transfer import copies
 
@@ -109,7 +108,7 @@ class LayerLoader:
                     copies.load_layer(pool_layout, batch, layer)
                 self._counter.complete(index, layer)
         if not layout.is_cuda:  # on CUDA this is the enqueue time, not the copy's: not a transfer figure
-            nbytes = sum(batch.blocks[Tier.HOST] * pool_layout.page_bytes for pool_layout, batch in batches)
+            nbytes = sum(batch.blocks["host"] * pool_layout.page_bytes for pool_layout, batch in batches)
             self._observe("onboard_h2d", nbytes, time.perf_counter() - started)
 
     def wait_idle(self, timeout: Optional[float] = None) -> bool:

@@ -9,25 +9,22 @@ block size that differs from the page size.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import logging
-import math
-import os
 import sys
 from typing import Any, Mapping, Optional
 
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
 from sglang_kvbm.config import GIB, ConfigError, KvbmConfig
 from sglang_kvbm.core.content_digest import DigestCache
-from sglang_kvbm.core.offload_filter import FrequencyFilter
 from sglang_kvbm.core.onboard_policy import OnboardPolicy
-from sglang_kvbm.integration.sglang import l3_layout
 from sglang_kvbm.integration.sglang.fingerprint import model_identity, server_fingerprint
 from sglang_kvbm.integration.sglang.pool_group import PoolGroup, describe_pools
-from sglang_kvbm.tiers.disk.setup import probe
+from sglang_kvbm.tiers import registry
 from sglang_kvbm.tiers.disk.store import DiskStore
 from sglang_kvbm.tiers.manager import LocalBlockManager
+from sglang_kvbm.tiers.registry import WorkerPools, pool_blocks
 from sglang_kvbm.tiers.sidecars import SidecarStores
 from sglang_kvbm.transfer.kv_layout import PagedKvLayout
 
@@ -91,59 +88,46 @@ def build_tiers(
         )
     settings = {**identity.settings, "pool_group": group.shape_id()}  # every pool's shape and dtypes
     pools = [("kv", layout)] + [(s.name, s.layout) for s in group.sidecars]
-    disks: list = [None] * len(pools)
-    disk_blocks, policy = 0, None
-    model = model_of(identity, config) if config.has_disk or config.has_g4 else None
-    if config.has_disk:
-        slot_bytes = [DiskStore.header_bytes_for(each.page_size) + each.block_bytes for each in layouts]
-        disk_blocks = config.disk_blocks(round(sum(n * share for n, share in zip(slot_bytes, shares))))
-        identities = [server_fingerprint(
-            model, pool_layout, kvcache, settings=settings if name == "kv" else {**settings, "stored_pool": name},
-            ranks=identity.ranks,
-        ) for name, pool_layout in pools]
-        found = probe(
-            config.disk_cache_dir, sum(_blocks(disk_blocks, share) * n for n, share in zip(slot_bytes, shares)),
-            zerofill_fallback=config.disk_zerofill_fallback,
-            disable_o_direct=config.disk_disable_o_direct,
-            already_ours=sum(DiskStore.existing_bytes(config.disk_cache_dir, f) for f, _ in identities),
-        )
-        for i, ((name, pool_layout), (fingerprint, description)) in enumerate(zip(pools, identities)):
-            logger.info("kvbm: disk identity %s (%s): %s", fingerprint.hex(), name, description)
-            disks[i] = DiskStore(probe=found, num_slots=_blocks(disk_blocks, shares[i]), block_bytes=pool_layout.block_bytes,
-                                 fingerprint=fingerprint, page_size=pool_layout.page_size, pin=layout.is_cuda,
-                                 siblings=tuple(f for f, _ in identities if f != fingerprint))
-        policy = OnboardPolicy(bytes_per_token=disks[0].slot_bytes / layout.page_size)
-        policy.read.record(4 << 20, (4 << 20) / found.read_bytes_per_s)  # seeded by the probe, refined by real reads
-    g4 = _g4(config, identity, group, layout, kvcache, model) if config.has_g4 else None
+    layout_of = dict(pools)
+    model: dict = {}
+
+    def fingerprint(pool: str, rank_overrides: Mapping[str, int]) -> tuple[bytes, str]:
+        if not model:  # the model's identity by content: read once, only when a tier needs it
+            model.update(model_of(identity, config))
+        return server_fingerprint(model, layout_of[pool], kvcache,
+                                  settings=settings if pool == "kv" else {**settings, "stored_pool": pool},
+                                  ranks={**identity.ranks, **rank_overrides})
+
+    worker = WorkerPools(
+        names=tuple(name for name, _ in pools), layouts=tuple(layouts), shares=tuple(shares), fingerprint=fingerprint,
+        ranks=identity.ranks, served_model_name=identity.served_model_name,
+        mla=isinstance(kvcache, MLATokenToKVPool), under_scheduler="sglang.srt.managers.scheduler" in sys.modules,
+        lanes={"disk_writer": disk_writer, "disk_reader": disk_reader},
+    )
+    factories, policy, summary = registry.build(config, worker)
     managers = []
-    for (name, pool_layout), disk, share in zip(pools, disks, shares):
+    for (name, pool_layout), share, tiers in zip(pools, shares, factories):
         kv = name == "kv"  # the tests' gated threads and the metrics observe the KV pool's copies
         managers.append(LocalBlockManager(
-            pool_layout, _blocks(host_blocks, share), pin=layout.is_cuda, disk=disk,
-            offload_filter=None if disk is None or config.disable_disk_offload_filter else FrequencyFilter(),
-            policy=policy, observer=observer if kv else None,  # one disk, one read meter: sidecars wait by it too
-            executor=offload_executor if kv else None, writer=disk_writer if kv else None,
-            reader=disk_reader if kv else None, g4=g4 if kv else None,
+            pool_layout, pool_blocks(host_blocks, share), pin=layout.is_cuda, tiers=tiers,
+            policy=policy, observer=observer if kv else None, executor=offload_executor if kv else None,
             wait_floor=None if config.load_wait_ms is None else config.load_wait_ms / 1000,
-            g4_filter=FrequencyFilter() if kv and g4 is not None and config.mooncake_offload_filter else None,
         ))
     manager = managers[0]
     sidecars = SidecarStores({s.name: (m, s.window) for s, m in zip(group.sidecars, managers[1:])})
-    disk = manager.disk
-    names = ("kv", *(s.name for s in group.sidecars))
-    per_pool = ", ".join(f"{name} {m.layout.block_bytes} bytes in {len(m.layout.buffer_page_bytes)} buffers"
-                         + (f", {m.host.capacity if m.host is not None else 0} host / {m.disk.num_slots if m.disk is not None else 0} disk blocks"
-                            if name != "kv" else "") for name, m in zip(names, managers))
+    per_pool = ", ".join(
+        f"{name} {m.layout.block_bytes} bytes in {len(m.layout.buffer_page_bytes)} buffers"
+        + (f", {m.host.capacity if m.host is not None else 0} host blocks, "
+           + ", ".join(f"{c.blocks}/{c.capacity} {c.tier}" for c in m.counts() if c.tier != "host")
+           if name != "kv" else "")
+        for name, m in zip(worker.names, managers))
     logger.info(
         "kvbm: local backend, page %d tokens, %d bytes a KV block with its share of the other pools (%s; %d layers; "
         "`sglang-kvbm doctor --block-bytes %d --page-size %d` checks the room for it); host tier %d blocks "
-        "(%.2f GiB%s); disk tier %s; G4 %s",
+        "(%.2f GiB%s); below host: %s",
         params.page_size, row_bytes, per_pool, layout.num_layers, row_bytes, params.page_size, host_blocks,
-        sum(m.host.capacity * m.layout.block_bytes for m in managers if m.host is not None) / GIB, ", pinned" if layout.is_cuda else "",
-        "off" if disk is None else f"{disk_blocks} blocks ({sum(m.disk.num_slots * m.disk.slot_bytes for m in managers) / GIB:.2f} "
-        f"GiB) in {config.disk_cache_dir}, offload filter {'off' if config.disable_disk_offload_filter else 'on'}",
-        "off" if g4 is None else f"Mooncake master {config.mooncake_master}, objects {g4.prefix}_<page hash>"
-        f"{g4.suffix}, write-through from host",
+        sum(m.host.capacity * m.layout.block_bytes for m in managers if m.host is not None) / GIB,
+        ", pinned" if layout.is_cuda else "", "; ".join(summary),
     )
     warn_small_pages(params.page_size, layout.block_bytes)
     return Tiers(layout, manager, policy, group, sidecars)
@@ -167,40 +151,6 @@ def warn_small_pages(page_size: int, block_bytes: int) -> None:
         page_size, "token" if page_size == 1 else f"{page_size} tokens", measured, header, block_bytes)
 
 
-def _g4(config: KvbmConfig, identity: Identity, group: PoolGroup, layout: PagedKvLayout, kvcache, model: dict):
-    """The shared tier's client (it connects on the G4 thread, retrying while the master does not answer)."""
-    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
-
-    from sglang_kvbm.tiers.mooncake.store import G4Settings, G4Store, object_suffix
-
-    if importlib.util.find_spec("mooncake") is None:
-        raise ConfigError("SGLANG_KVBM_MOONCAKE_MASTER is set but Mooncake's client is not installed in this "
-                          "environment: pip install 'sglang-kvbm[mooncake]' (or [mooncake-cuda]), or unset it")
-    if group.sidecars:
-        logger.warning("kvbm: G4 (SGLANG_KVBM_MOONCAKE_MASTER) holds full-attention KV only; this model's "
-                       "sliding-window/Mamba state is not shared yet, so G4 is off for it")
-        return None
-    ranks = identity.ranks
-    # One tag for every rank and pipeline stage of the worker (the router is told one): the tp and pp ranks are in
-    # each name's suffix instead.
-    shared = {**ranks, "tp_rank": 0, "pp_rank": 0, "dp_rank": 0, "attn_cp_rank": 0}
-    fingerprint, _ = server_fingerprint(model, layout, kvcache, settings=identity.settings, ranks=shared)
-    settings = G4Settings(config.mooncake_master, config.mooncake_metadata, config.mooncake_protocol,
-                          int(config.mooncake_segment_gb * GIB), hostname=_advertised_host(config.mooncake_master))
-    # --served-model-name names the objects (as HiCache's L3 pages); without one, the tag alone: it names the model by
-    # content, where a path or directory name would part two hosts holding the same model
-    name = identity.served_model_name
-    mla = isinstance(kvcache, MLATokenToKVPool)
-    suffix = object_suffix(int(ranks.get("tp_rank", 0)), mla=mla,
-                           pp_rank=int(ranks.get("pp_rank", 0)), pp_size=int(ranks.get("pp_size", 1)))
-    g4 = G4Store(settings, fingerprint=fingerprint, model_name=name, suffix=suffix,
-                 page_size=layout.page_size, block_bytes=layout.block_bytes)
-    if "sglang.srt.managers.scheduler" in sys.modules:  # under SGLang's scheduler: tell routers the objects' names
-        l3_layout.advertise(l3_layout.layout(g4, page_size=layout.page_size, tp_size=int(ranks.get("tp_size", 1)),
-                                             pp_size=int(ranks.get("pp_size", 1)), mla=mla))
-    return g4
-
-
 def model_of(identity: Identity, config: KvbmConfig) -> dict:
     """The model's identity by content (``fingerprint.model_identity``), with its cost in the log."""
     cache = DigestCache(config.digest_cache)
@@ -215,23 +165,6 @@ def model_of(identity: Identity, config: KvbmConfig) -> dict:
     else:
         logger.info("kvbm: model identity: %s (%d files, digests known)", model.get("note"), files)
     return model
-
-
-def _advertised_host(master: str) -> str:
-    """The address other Mooncake clients reach this one at: MOONCAKE_LOCAL_HOSTNAME (SGLang's name for it), else
-    127.0.0.1 beside a local master, else this host's address."""
-    import socket
-
-    if os.environ.get("MOONCAKE_LOCAL_HOSTNAME"):
-        return os.environ["MOONCAKE_LOCAL_HOSTNAME"]
-    if master.rpartition(":")[0] in ("127.0.0.1", "localhost"):
-        return "127.0.0.1"
-    return socket.gethostbyname(socket.gethostname())
-
-
-def _blocks(kv_blocks: int, share: float) -> int:
-    """A pool's blocks in a tier of ``kv_blocks`` KV blocks (at least 16 sidecar blocks: a few nodes' worth)."""
-    return kv_blocks if share == 1.0 or not kv_blocks else max(16, math.ceil(kv_blocks * share))
 
 
 def check_router_block_size(config: KvbmConfig, page_size: int) -> None:

@@ -228,13 +228,3 @@ def server_draw() -> str:
     """One random draw per server start, the same in all its processes (they inherit the launcher's environment)."""
     return os.environ.setdefault(SERVER_DRAW_ENV, uuid.uuid4().hex)
 
-
-def rekeyed(fingerprint: bytes, reason: str) -> bytes:
-    """A new identity for a running server whose weights were replaced in memory (``reason`` says how).
-
-    Derived from the old one, the reason and a random draw: no server started
-    from files, nor this one after a restart, ever computes it, so what the
-    disk tier writes from now on is never read by another server.
-    """
-    draw = f"weights updated in memory: {reason}: {uuid.uuid4().hex}".encode()
-    return hashlib.sha256(fingerprint + draw).digest()[:16]

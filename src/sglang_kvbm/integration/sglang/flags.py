@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 from sglang_kvbm.config import ConfigError, KvbmConfig
 from sglang_kvbm.config.events import check_kv_events_config
+from sglang_kvbm.tiers import registry
 
 BACKEND_NAME = "kvbm"
 SOURCE = "sglang-kvbm"
@@ -68,10 +69,7 @@ def translate(server_args: Any) -> None:
     server_draw()  # drawn here, in the launcher: every rank it starts inherits the one draw (see weight_settings)
     events = check_kv_events_config(cfg.kv_events_config, cfg.page_size or 1)  # the page size may be unresolved yet
     warn_if_dynamo_will_not_connect(events)
-    if config.has_g4 and "dynamo.sglang" in sys.modules:  # Dynamo's router learns G4's names from the registration
-        from sglang_kvbm.integration.dynamo.registration import install
-
-        install()
+    registry.on_launch(config)  # what each tier must set up before the ranks start (Dynamo's registration)
     declare_resolution(
         server_args,
         SOURCE,
@@ -94,7 +92,6 @@ def warn_if_dynamo_will_not_connect(events: Optional[dict]) -> None:
     """
     import logging
     import os
-    import sys
     from urllib.parse import urlsplit
 
     if events is None or "dynamo.sglang" not in sys.modules:

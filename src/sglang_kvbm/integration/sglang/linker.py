@@ -280,9 +280,9 @@ class KvbmLinker(UnifiedCacheLinker):
             result = init_load_back(params)
             req = params.req
             plan = self.loads.queued_plan(req.rid) if req is not None else None
-            if plan is not None and plan.disk_blocks:
-                # Report the disk part as SGLang reports L3 hits (cached_tokens_details["storage"]).
-                req.storage_hit_length = plan.disk_blocks * self.page_size
+            if plan is not None and plan.staged_blocks:
+                # Report what came from below host as SGLang reports L3 hits (cached_tokens_details["storage"]).
+                req.storage_hit_length = plan.staged_blocks * self.page_size
                 req.storage_hit_start = None
             return result
 

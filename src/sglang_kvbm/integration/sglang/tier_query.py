@@ -26,7 +26,7 @@ class TierTokens:
     device: int
     host: int
     disk: int
-    beyond: tuple = dataclasses.field(default=(), compare=False, repr=False)  # block ids past ``disk``: G4's to answer
+    beyond: tuple = dataclasses.field(default=(), compare=False, repr=False)  # block ids past ``disk``: remote tiers' to answer
 
     def counts(self) -> dict:
         return {"device": self.device, "host": self.host, "disk": self.disk}
@@ -47,16 +47,6 @@ def tier_tokens(cache, connector: KvbmConnector, token_ids, *, extra_key=None, c
     if sidecars:
         host, lower = sidecars.longest(rest, host), sidecars.longest(rest, lower)
     return TierTokens(device, device + host * ps, device + lower * ps, tuple(rest[lower:]))
-
-
-def g4_tokens(g4, answer: TierTokens, page_size: int):
-    """Tokens every tier down to G4 would serve (any thread but the scheduler's: it asks Mooncake), or None while
-    G4 is not connected or marked down."""
-    if not g4.connected or g4.down:
-        return None
-    found = g4.contains(list(answer.beyond)) if answer.beyond else []
-    run = next((i for i, hit in enumerate(found) if not hit), len(found))
-    return None if g4.down else answer.disk + run * page_size
 
 
 class TierQueries:

@@ -35,10 +35,7 @@ from __future__ import annotations
 
 import functools
 import logging
-import weakref
 from typing import Any, Optional
-
-from sglang_kvbm.integration.sglang.fingerprint import rekeyed
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +43,6 @@ UPDATER = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeig
 WEIGHT_UPDATES = ("update_weights_from_disk", "update_weights_from_distributed",
                   "update_weights_from_tensor", "update_weights_from_ipc")
 QUIESCE_WARN_S = 60.0  # how often a pause still waiting for copies says so
-
-_private = weakref.WeakSet()  # disk stores already under an identity of this run only
-
 
 def linker_of(updater: Any) -> Optional[Any]:
     """The scheduler's KvbmLinker, or None (another linker, no linker, or an updater with no scheduler)."""
@@ -58,25 +52,15 @@ def linker_of(updater: Any) -> Optional[Any]:
 
 
 def weights_replaced(linker: Any, how: str) -> None:
-    """Drop every tier; move the disk tier off the files' identity (once per run)."""
+    """Drop every tier; move every tier below host off the files' identity (each says what that means for it)."""
     linker.drop_tiers()
-    g4 = linker.manager.g4
-    if g4 is not None:  # what this server shares from now on is not what its model files would compute
-        g4.rekey(rekeyed(g4.fingerprint, how))
-        linker.manager.g4_writes.forget()
-    disk = linker.manager.disk
-    if disk is None or disk in _private:
-        logger.info("kvbm: weights replaced (%s): host and disk tiers dropped", how)
-        return
-    old = disk.fingerprint
-    for store in [disk] + [m.disk for m in linker.sidecars.managers.values()]:  # hybrid models: every pool's
-        store.rekey(rekeyed(store.fingerprint, how))
-        _private.add(store)
-    logger.warning(
-        "kvbm: weights replaced (%s): host and disk tiers dropped; the disk tier moved from identity %s to %s "
-        "(%s), which no server started from the model files reads: a restart starts it cold",
-        how, old.hex(), disk.fingerprint.hex(), disk.directory,
-    )
+    managers = [linker.manager, *linker.sidecars.managers.values()]  # hybrid models: every pool's tiers
+    for manager in managers:
+        for tier in manager.tiers.values():
+            tier.rekey(how)
+    names = ", ".join(["host", *linker.manager.tiers])
+    logger.warning("kvbm: weights replaced (%s): %s tiers dropped; those below host moved to an identity of this run "
+                   "that no server started from the model files reads (a restart starts them cold)", how, names)
 
 
 def _describe(method: str, recv_req: Any) -> str:

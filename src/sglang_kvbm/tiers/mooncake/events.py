@@ -38,7 +38,7 @@ from typing import Iterable, Optional
 import msgspec
 import zmq
 
-from sglang_kvbm.tiers.mooncake.store import TAG_PREFIX
+from sglang_kvbm.tiers.block_objects import TAG_PREFIX
 
 logger = logging.getLogger(__name__)
 

@@ -47,21 +47,14 @@ import torch
 
 from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.ports import BlockMeta
-from sglang_kvbm.tiers.disk.format import (
-    BlockHeader,
-    HeaderTooLarge,
-    checksum,
-    decode_header,
-    encode_header,
-    header_bytes_for,
-)
+from sglang_kvbm.tiers.block_objects import sign, tag_of, verify
+from sglang_kvbm.tiers.disk.format import header_bytes_for
 from sglang_kvbm.tiers.mooncake import listeners
 from sglang_kvbm.tiers.mooncake.probe import unreachable_endpoints
 
 logger = logging.getLogger(__name__)
 
 RPC_FAIL = -900  # the master did not answer (Mooncake's ErrorCode::RPC_FAIL)
-TAG_PREFIX = "kvbm-"  # every tag this library writes under starts so (the events relay recognises them by it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,12 +108,12 @@ class G4Store:
     def rekey(self, fingerprint: bytes) -> None:
         """Read and write under another identity from now on (weights replaced in memory: see ``weight_updates``)."""
         self.fingerprint = fingerprint
-        self.tag = TAG_PREFIX + fingerprint.hex()[:16]  # SGLang's extra_backend_tag, as Dynamo's router is told it
+        self.tag = tag_of(fingerprint)  # SGLang's extra_backend_tag, as Dynamo's router is told it
         self.prefix = key_prefix(self.tag, self.model_name)
 
     def key(self, block_id: BlockId, fingerprint: Optional[bytes] = None) -> str:
         """The object's name under this store's identity, or under ``fingerprint``."""
-        prefix = self.prefix if fingerprint is None else key_prefix(TAG_PREFIX + fingerprint.hex()[:16], self.model_name)
+        prefix = self.prefix if fingerprint is None else key_prefix(tag_of(fingerprint), self.model_name)
         return f"{prefix}_{block_id}{self.suffix}"
 
     # -- connection -------------------------------------------------------------------------
@@ -229,9 +222,7 @@ class G4Store:
             return [False] * len(metas)
         sent, ptrs = [], []  # indices of the blocks whose header fits, and their buffers
         for i, (meta, row, header) in enumerate(zip(metas, rows, headers)):
-            try:
-                encode_header(BlockHeader.of(meta, checksum(row), fingerprint), header)
-            except HeaderTooLarge:  # logged by nobody else: this block is simply not shared
+            if not sign(meta, row, header, fingerprint):  # a header too large: this block is simply not shared
                 continue
             sent.append(i)
             ptrs.append([header.data_ptr(), row.data_ptr()])
@@ -288,16 +279,11 @@ class G4Store:
     def _verify(self, block_id: BlockId, n: int, row: torch.Tensor, header_row: torch.Tensor) -> Optional[BlockMeta]:
         if n < 0:
             return None  # not there (evicted, never written, its lender gone): a plain miss
-        header = decode_header(header_row) if n == self.header_bytes + self.block_bytes else None
-        reason = None
-        if header is None:
-            reason = f"not a block object ({n} bytes)"
-        elif header.fingerprint != self.fingerprint or header.block_id != block_id:
-            reason = "another server's or another block's object"
-        elif header.checksum != checksum(row):
-            reason = "checksum mismatch"
-        if reason is not None:
+        if n != self.header_bytes + self.block_bytes:
+            meta, reason = None, f"not a block object ({n} bytes)"
+        else:
+            meta, reason = verify(block_id, row, header_row, self.fingerprint)
+        if meta is None:
             self.stats["rejected"] += 1
             logger.warning("kvbm: G4 object %s rejected (%s); the request recomputes it", self.key(block_id), reason)
-            return None
-        return header.meta()
+        return meta

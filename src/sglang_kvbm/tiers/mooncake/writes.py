@@ -19,10 +19,10 @@
   if G4 lost it (``rewritten``). Offers made while G4 is down wait until it is back,
   and a failed write is tried again after ``retry_s``, ``max_tries`` times at most
   (``write_retried``, ``write_gave_up``).
-* **Fetches** (:func:`g4_to_staging`, run by ``tiers.staging``): the leading
-  blocks G4 holds of a lookup's tail are read into staging rows and verified
-  there (``tiers.mooncake.store``); from then on they are served like
-  verified disk blocks.
+* **Fetches** (``tier.read_into_staging``, run by ``tiers.staging``): the
+  leading blocks G4 holds of a lookup's tail are read into staging rows and
+  verified there (``store``); from then on they are served like verified disk
+  blocks.
 
 Every Mooncake call runs on the G4 thread (a ``LaneExecutor``); the scheduler
 thread only submits, polls, and waits a bounded time for a lookup's fetch.
@@ -38,23 +38,11 @@ import time
 from concurrent.futures import Future
 from typing import Callable, NamedTuple, Optional, Sequence
 
-import torch
-
 from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.ports import BlockMeta
 from sglang_kvbm.transfer.host_memory import aligned_empty
 
 logger = logging.getLogger(__name__)
-
-
-def g4_to_staging(store, block_ids: Sequence[BlockId], slab: torch.Tensor, headers: torch.Tensor,
-                  rows: Sequence[int]) -> tuple[list[Optional[BlockMeta]], float]:
-    """The leading blocks G4 holds, read into staging ``rows`` and verified: a meta per block, None for a miss."""
-    started = time.perf_counter()
-    held = store.contains(block_ids)
-    n = held.index(False) if False in held else len(held)
-    metas = store.read(block_ids[:n], [slab[r] for r in rows[:n]], [headers[r] for r in rows[:n]]) if n else []
-    return metas + [None] * (len(block_ids) - n), time.perf_counter() - started
 
 
 HELD, WRITTEN, FAILED, UNTRIED = range(4)  # a block's fate in a G4 write
@@ -97,6 +85,7 @@ def _host_to_g4(store, metas, rows, recheck, slab, headers, generation: int, cur
 class _Write(NamedTuple):
     future: Future
     ids: tuple
+    metas: tuple
     rows: tuple
     recheck: tuple  # per block: a remembered one, put only if G4 lost it (empty: none is)
     generation: int
@@ -129,8 +118,9 @@ class G4Writes:
         self._tries: dict = {}  # id queued again from _retry -> failed puts so far
         self._retry_at = 0.0  # failed puts are tried again from then on
         self._closed = False
-        self.stats = store.stats  # the write-through's counters live beside the store's (``/stats`` g4)
+        self.stats = store.stats  # the write-through's counters live beside the store's (``/stats``: mooncake)
         self.submitted = self.written = self.queued = 0  # blocks queued ever, written, waiting now
+        self.stored: list[BlockMeta] = []  # blocks written since the tier last took them (its STORED changes)
 
     def forget(self) -> None:
         """G4's objects are under another name now (the identity changed): nothing is known to be there."""
@@ -191,7 +181,7 @@ class G4Writes:
         generation, fingerprint = self._generation(), self.store.fingerprint
         future = self._lane.submit(_host_to_g4, self.store, metas, rows, flags, self._host.slab, self.headers,
                                    generation, self._generation, fingerprint)
-        self._writes.append(_Write(future, ids, rows, flags, generation, fingerprint))
+        self._writes.append(_Write(future, ids, tuple(metas), rows, flags, generation, fingerprint))
         self._pending.update(ids)
         self.queued += len(ids)
         self.submitted += len(ids)
@@ -230,6 +220,8 @@ class G4Writes:
         self.learn([b for b, s in zip(write.ids, status) if s == HELD or s == WRITTEN], when)
         written = status.count(WRITTEN)
         self.written += written
+        if written:
+            self.stored.extend(m for m, s in zip(write.metas, status) if s == WRITTEN)
         if write.recheck and written:
             self.stats["rewritten"] += sum(1 for r, s in zip(write.recheck, status) if r and s == WRITTEN)
         if FAILED not in status and UNTRIED not in status:

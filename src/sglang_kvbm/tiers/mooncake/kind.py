@@ -1,0 +1,119 @@
+"""The ``mooncake`` tier's entry in ``tiers.registry``: a client of the worker's shared Mooncake Store.
+
+One client per worker rank, for the full-attention KV only (a hybrid model's
+sliding-window pages and Mamba states are not shared yet). Its objects are
+named by the worker's identity with every rank alike (the rank is in each
+name's suffix), so routers derive one name per page for the whole worker:
+SGLang's scheduler is told the names (``l3_layout``), and inside Dynamo's
+workers so is Dynamo's router (``dynamo``, at launch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import socket
+import sys
+from typing import Mapping, Optional
+
+from sglang_kvbm.config import GIB, ConfigError
+from sglang_kvbm.core.offload_filter import FrequencyFilter
+from sglang_kvbm.tiers.registry import KindPlan, WorkerPools
+
+logger = logging.getLogger(__name__)
+NAME = "mooncake"
+
+
+def enabled(config) -> bool:
+    return config.has_mooncake
+
+
+def build(config, pools: WorkerPools) -> KindPlan:
+    from sglang_kvbm.tiers.mooncake import l3_layout
+    from sglang_kvbm.tiers.mooncake.store import G4Settings, G4Store, object_suffix
+    from sglang_kvbm.tiers.mooncake.tier import MooncakeTier
+
+    if importlib.util.find_spec("mooncake") is None:
+        raise ConfigError("SGLANG_KVBM_MOONCAKE_MASTER is set but Mooncake's client is not installed in this "
+                          "environment: pip install 'sglang-kvbm[mooncake]' (or [mooncake-cuda]), or unset it")
+    none = [None] * len(pools.names)
+    if len(pools.names) > 1:
+        logger.warning("kvbm: the mooncake tier (SGLANG_KVBM_MOONCAKE_MASTER) holds full-attention KV only; this "
+                       "model's sliding-window/Mamba state is not shared yet, so it is off for this model")
+        return KindPlan(none, summary="off for this model (hybrid pools)")
+    ranks, layout = pools.ranks, pools.kv
+    # One tag for every rank and pipeline stage of the worker (the router is told one): the tp and pp ranks are in
+    # each name's suffix instead.
+    fingerprint, _ = pools.fingerprint("kv", {"tp_rank": 0, "pp_rank": 0, "dp_rank": 0, "attn_cp_rank": 0})
+    settings = G4Settings(config.mooncake_master, config.mooncake_metadata, config.mooncake_protocol,
+                          int(config.mooncake_segment_gb * GIB), hostname=_advertised_host(config.mooncake_master))
+    # --served-model-name names the objects (as HiCache's L3 pages); without one, the tag alone: it names the model by
+    # content, where a path or directory name would part two hosts holding the same model
+    suffix = object_suffix(int(ranks.get("tp_rank", 0)), mla=pools.mla,
+                           pp_rank=int(ranks.get("pp_rank", 0)), pp_size=int(ranks.get("pp_size", 1)))
+    store = G4Store(settings, fingerprint=fingerprint, model_name=pools.served_model_name, suffix=suffix,
+                    page_size=layout.page_size, block_bytes=layout.block_bytes)
+    if pools.under_scheduler:  # tell routers the objects' names
+        l3_layout.advertise(l3_layout.layout(store, page_size=layout.page_size, tp_size=int(ranks.get("tp_size", 1)),
+                                             pp_size=int(ranks.get("pp_size", 1)), mla=pools.mla))
+
+    def make(manager) -> MooncakeTier:
+        return MooncakeTier(store, manager.host, manager.generation,
+                            offload_filter=FrequencyFilter() if config.mooncake_offload_filter else None)
+
+    summary = f"master {config.mooncake_master}, objects {store.prefix}_<page hash>{store.suffix}, write-through"
+    return KindPlan([make] + none[1:], summary=summary)
+
+
+def _advertised_host(master: str) -> str:
+    """The address other Mooncake clients reach this one at: MOONCAKE_LOCAL_HOSTNAME (SGLang's name for it), else
+    127.0.0.1 beside a local master, else this host's address."""
+    if os.environ.get("MOONCAKE_LOCAL_HOSTNAME"):
+        return os.environ["MOONCAKE_LOCAL_HOSTNAME"]
+    if master.rpartition(":")[0] in ("127.0.0.1", "localhost"):
+        return "127.0.0.1"
+    return socket.gethostbyname(socket.gethostname())
+
+
+def on_launch(config) -> None:
+    """Inside ``python -m dynamo.sglang``: Dynamo's router learns the objects' names from the registration."""
+    if "dynamo.sglang" in sys.modules:
+        from sglang_kvbm.tiers.mooncake.dynamo import install
+
+        install()
+
+
+def doctor_rows(config, environ: Mapping[str, str]) -> list[tuple]:
+    from sglang_kvbm.tiers.mooncake.doctor import g4_rows
+
+    return g4_rows(config, environ)
+
+
+def commands(subparsers) -> None:
+    relay = subparsers.add_parser(
+        "mooncake-events",
+        help="publish a Mooncake master's objects as its KV events, for Dynamo's --shared-cache-type hicache",
+    )
+    relay.add_argument("--master-http", required=True, metavar="HOST:PORT",
+                       help="the master's HTTP port (mooncake_master --metrics_port, default 9003)")
+    relay.add_argument("--bind", default="tcp://127.0.0.1:5557", metavar="ENDPOINT",
+                       help="where routers subscribe: the workers' DYN_MOONCAKE_KV_EVENTS_ENDPOINT")
+    relay.add_argument("--interval", type=float, default=1.0, metavar="SECONDS", help="how often the master is read")
+
+
+def run(args: argparse.Namespace) -> Optional[int]:
+    if args.command != "mooncake-events":
+        return None
+    from sglang_kvbm.tiers.mooncake.events import EventRelay
+
+    url = args.master_http if "://" in args.master_http else f"http://{args.master_http}"
+    relay = EventRelay(url, args.bind, interval=args.interval)
+    try:
+        relay.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        relay.close()
+    return 0

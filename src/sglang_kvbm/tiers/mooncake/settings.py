@@ -1,0 +1,41 @@
+"""The mooncake tier's settings: ``SGLANG_KVBM_MOONCAKE_*`` parsed and checked (``config.settings`` reads them)."""
+
+from __future__ import annotations
+
+from sglang_kvbm.config.values import ConfigError, _eg
+
+
+def address(name: str, raw: str) -> str:
+    """``host:port`` (Mooncake's master)."""
+    host, sep, port = raw.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"{name}={raw!r} is not host:port: set it to the Mooncake master's RPC address, "
+                          f"e.g. {_eg(name, '127.0.0.1:50051')}")
+    return raw
+
+
+def metadata_url(name: str, raw: str) -> str:
+    """An http(s) URL (Mooncake's metadata server), or Mooncake's ``P2PHANDSHAKE``."""
+    if raw == "P2PHANDSHAKE" or raw.startswith(("http://", "https://")):
+        return raw
+    raise ConfigError(f"{name}={raw!r} is not a metadata server: set it to its URL, "
+                      f"e.g. {_eg(name, 'http://127.0.0.1:8080/metadata')}, or to P2PHANDSHAKE")
+
+
+def protocol(name: str, raw: str) -> str:
+    if raw.lower() not in ("tcp", "rdma"):
+        raise ConfigError(f"{name}={raw!r} is not a Mooncake transfer protocol: set it to tcp or rdma")
+    return raw.lower()
+
+
+def check_environment(environ, metadata) -> None:
+    """What in Mooncake's own environment breaks G4 (checked only with G4 on): ``MC_LEGACY_RPC_PORT_BINDING``
+    (any value: Mooncake only asks whether it is there) with a metadata server URL makes the client take its
+    transfer RPC port from its local hostname, which carries none, so every ``setup`` fails (rc -1 after ~2 s,
+    measured with Mooncake 0.3.13.post1). With ``P2PHANDSHAKE`` it changes nothing (measured)."""
+    if "MC_LEGACY_RPC_PORT_BINDING" in environ and metadata != "P2PHANDSHAKE":
+        raise ConfigError(
+            f"MC_LEGACY_RPC_PORT_BINDING={environ['MC_LEGACY_RPC_PORT_BINDING']!r} is set (any value turns it on, "
+            "0 too) with G4 on (SGLANG_KVBM_MOONCAKE_MASTER) and a metadata server: Mooncake then takes the "
+            "client's transfer RPC port from its local hostname, which has none, and G4's setup fails every time: "
+            "unset MC_LEGACY_RPC_PORT_BINDING (or use SGLANG_KVBM_MOONCAKE_METADATA=P2PHANDSHAKE)")
