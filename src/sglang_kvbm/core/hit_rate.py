@@ -4,8 +4,8 @@ KVBM (``block_manager`` cache statistics) records, once per request, how many
 of the blocks it looked up below the device were found in host memory and how
 many on disk, and reports ``hits / blocks looked up`` over the last
 ``DYN_KVBM_CACHE_STATS_MAX_REQUESTS`` requests (default 1000). This is that
-definition, for every tier by name (``host``, ``disk``, ``mooncake``,
-``object``): a request looked up again while it waits replaces its own entry.
+definition, for every tier by name (``host``, ``disk`` and those below): a
+request looked up again while it waits replaces its own entry.
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ class TierEventKind(enum.Enum):
 class TierEvent:
     """A change in what a tier below the device holds, in the order it happened.
 
-    ``tier`` is the tier's name (``host``, ``disk``, ``mooncake``, ``object``), ``source`` the name of the tier a
+    ``tier`` is the tier's name (``host``, ``disk``, ... as the chain names them), ``source`` the name of the tier a
     stored block was copied from (``device``, ``host``; None when unknown). ``medium`` is the medium of the KV
     events the change is published as; None for a tier that announces nothing to the router (it is counted all
     the same).
@@ -99,7 +99,7 @@ class TierCounts:
 class LoadPlan(Protocol):
     """Blocks pinned for one load: what the copies read, until released.
 
-    ``by_tier``: how many of its blocks each tier served, by tier name (``host``, ``disk``, ``mooncake``, ...).
+    ``by_tier``: how many of its blocks each tier served, by tier name (``host``, ``disk``, ...).
     """
 
     @property
@@ -110,7 +110,7 @@ class LoadPlan(Protocol):
 
 
 class BlockManager(Protocol):
-    """The tiers below the engine's device pool: host (G2) and the chain below it (disk, mooncake, object).
+    """The tiers below the engine's device pool: host (G2) and the chain of tiers below it.
 
     Contract, for every implementation:
 

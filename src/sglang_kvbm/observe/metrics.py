@@ -34,7 +34,7 @@ KVBM_COUNTERS = {
     "kvbm_g4_lookup_misses": "Blocks looked up in object storage (G4) and not found",
     "kvbm_matched_tokens": "Number of matched tokens",
 }
-# Every tier by name (``host``, ``disk``, ``mooncake``, ``object``): this library's, KVBM has no per-tier family.
+# Every tier by its name (``host``, ``disk``, and each tier below): this library's, KVBM has no per-tier family.
 PER_TIER = {
     "onboard_blocks": ("kvbm_tier_onboard_blocks", "Blocks a tier served to the device", ["tier"]),
     "offload_blocks": ("kvbm_tier_offload_blocks", "Blocks a tier took, by the tier they came from",

@@ -3,8 +3,8 @@
 One table a person reads: versions, CUDA, the backend (``local``, the only one
 today), every ``DYN_KVBM_*`` value, host memory and disk space against the
 configured tiers, and the disk directory probed the way the server will probe
-it; with G4 on, whether Mooncake's master answers and what listens where
-(:mod:`sglang_kvbm.tiers.mooncake.doctor`). Exit status 1 on a problem.
+it; and each tier below it the configuration turns on, as that tier checks itself
+(its ``kind.doctor_rows``: a store that answers, what listens where). Exit status 1 on a problem.
 
 A tier sized in blocks (``DYN_KVBM_*_OVERRIDE_NUM_BLOCKS``) needs blocks times
 the block size, which depends on the model and the page size, and the doctor

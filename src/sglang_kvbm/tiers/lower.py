@@ -6,7 +6,7 @@ differs between tiers is behind this protocol:
 
 * **Finding a block.** An *indexed* tier (disk) knows what it holds from an
   index on the scheduler thread: :meth:`LowerTier.holds` is exact and cheap, and
-  a lookup maps it over a prefix in C. A *remote* tier (mooncake, object) is
+  a lookup maps it over a prefix in C. A *remote* tier (a shared store) is
   shared with other workers, so what it holds is asked on its own thread: a
   lookup fetches the tail it could not serve from nearer tiers and waits a
   bounded time (``lookups``); :meth:`LowerTier.holds` only says what this
@@ -26,8 +26,8 @@ differs between tiers is behind this protocol:
   parent in another tier; :attr:`LowerTier.stats` are its own counters, for
   ``/stats`` and the metrics.
 
-Tiers are named by data (:attr:`LowerTier.name`): ``disk``, ``mooncake``,
-``object``; load plans, counters, hit rates, metrics, ``/tiers`` and logs use
+Tiers are named by data (:attr:`LowerTier.name`, the folder's name under ``tiers/``):
+load plans, counters, hit rates, metrics, ``/tiers`` and logs use
 the name. ``tiers.registry`` builds the chain from the configuration.
 """
 
@@ -50,7 +50,7 @@ class Read(NamedTuple):
 
 
 class LowerTier(Protocol):
-    name: str  # "disk", "mooncake", "object"
+    name: str  # its folder's name under tiers/
     medium: Optional[Tier]  # the KV events' medium of its blocks; None: it announces none
     indexed: bool  # True: holds() is exact on the scheduler thread; False: blocks are found by reading them
     header_bytes: int  # the header row that lands beside each block's bytes

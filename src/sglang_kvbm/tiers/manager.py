@@ -3,8 +3,8 @@
 The facade over the tiers' parts: host rows (``host.pool``), copies down from
 the device and their completions (``offloads``), lookups and loads
 (``lookups``), verified staging of reads from below (``staging``) and the
-lower tiers, each a :class:`~sglang_kvbm.tiers.lower.LowerTier` (``disk``,
-``mooncake``, ``object``; built from the configuration by ``registry``).
+lower tiers, each a :class:`~sglang_kvbm.tiers.lower.LowerTier` (``disk``
+and the rest of the chain, built from the configuration by ``registry``).
 Where a page goes (the scheduler thread only reserves room and submits; the
 copies run on workers, see ``transfer.copies``):
 

@@ -1,4 +1,4 @@
-"""What the remote tiers (``mooncake``, ``object``) share: reads of a lookup's tail on the tier's own thread.
+"""What the remote tiers (stores shared by workers) share: reads of a lookup's tail on the tier's own thread.
 
 A read asks the store which blocks of the tail it holds, gets the leading run
 of them into staging rows and verifies each there (``block_objects``); the

@@ -40,7 +40,7 @@ class Identity:
     settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     ranks: Mapping[str, int] = dataclasses.field(default_factory=dict)
     download_dir: Optional[str] = None  # SGLang's --download-dir: where a hub id's snapshot is looked for first
-    served_model_name: str = ""  # what G4's object names carry, as SGLang's HiCache names its L3 pages
+    served_model_name: str = ""  # what shared objects' names carry, as SGLang's HiCache names its L3 pages
 
 
 @dataclasses.dataclass

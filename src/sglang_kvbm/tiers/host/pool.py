@@ -7,7 +7,7 @@ the scheduler thread calls this class. Copy threads write the rows of
 ``MUTABLE`` blocks and read the rows of pinned ones, nothing else; a row is
 reused only after its block was dropped *and* no copy can still use it.
 
-Pins are counted per holder (a disk write, a G4 write and a load may read one
+Pins are counted per holder (a disk write, a shared tier's write and a load may read one
 row at once). When the blocks are forgotten (:meth:`HostBlockPool.forget`), a
 row still pinned becomes an orphan holding that count: each holder gives its
 hold back when it ends (:meth:`HostBlockPool.release_orphans`), and the row is
@@ -158,7 +158,7 @@ class HostBlockPool:
             self._metas[row] = None
             holders = self._index.pins(block_id)
             if holders:
-                self._orphans[row] = holders  # disk/G4 writes or loads still read it: see release_orphans()
+                self._orphans[row] = holders  # lower tiers' writes or loads still read it: see release_orphans()
             else:
                 self.rows_state.drop([row])
                 self._free.append(row)
