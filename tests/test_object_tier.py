@@ -56,13 +56,13 @@ def test_a_prefix_stored_by_one_worker_loads_on_another_from_the_bucket(stack_fa
     data = a.insert(TOKENS, seed=3)
     a.settle()
     written(a, pages)
-    assert a.linker.connector.stats.offload_blocks_h2obj == pages  # KVBM's counter
+    assert a.linker.connector.stats.offloaded("host", "object") == pages  # KVBM's offload_blocks_h2obj
     tier = a.manager.tiers["object"]
     assert sorted(s3.keys(BUCKET)) == sorted(tier.store.key(i) for i in a.block_ids(TOKENS))
     assert b.linker.connector.peek(b.block_ids(TOKENS)) == (0, 0)  # B holds nothing of it itself
     load_exact(b, TOKENS, data)
     stats = b.linker.connector.stats
-    assert stats.onboard_blocks == {"object": pages} and stats.onboard_blocks_obj2h == pages
+    assert stats.onboard_blocks == {"object": pages} and stats.onboard_blocks_d2d == 0
     assert stats.hit_blocks == {"object": pages} and b.linker.connector.hit_rates.rates() == {"object": 1.0}
     assert b.manager.tiers["object"].stats["lookup_hits"] == pages  # KVBM's g4_lookup_hits
 

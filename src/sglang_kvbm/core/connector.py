@@ -29,9 +29,10 @@ logger = logging.getLogger(__name__)
 
 
 # KVBM's counter names for the per-tier counts below: (source tier, tier) of an offload, the tier of an onboard.
+# (Names of tiers further down belong to them: ``tiers/<name>/kind.py``'s ``metrics``.)
 KVBM_OFFLOADS = {("device", "host"): "offload_blocks_d2h", ("host", "disk"): "offload_blocks_h2d",
-                 ("device", "disk"): "offload_blocks_d2d", ("host", "object"): "offload_blocks_h2obj"}
-KVBM_ONBOARDS = {"host": "onboard_blocks_h2d", "disk": "onboard_blocks_d2d", "object": "onboard_blocks_obj2h"}
+                 ("device", "disk"): "offload_blocks_d2d"}
+KVBM_ONBOARDS = {"host": "onboard_blocks_h2d", "disk": "onboard_blocks_d2d"}
 
 
 @dataclasses.dataclass
@@ -57,10 +58,8 @@ class ConnectorStats:
     offload_blocks_d2h = property(lambda self: self.offloaded("device", "host"))
     offload_blocks_h2d = property(lambda self: self.offloaded("host", "disk"))
     offload_blocks_d2d = property(lambda self: self.offloaded("device", "disk"))
-    offload_blocks_h2obj = property(lambda self: self.offloaded("host", "object"))
     onboard_blocks_h2d = property(lambda self: self.onboard_blocks["host"])
     onboard_blocks_d2d = property(lambda self: self.onboard_blocks["disk"])
-    onboard_blocks_obj2h = property(lambda self: self.onboard_blocks["object"])
 
     def as_dict(self) -> dict:
         """Every count, per tier, and KVBM's names beside them (the snapshot ``/stats`` and the metrics read)."""

@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from sglang_kvbm.config import KvbmConfig
 from sglang_kvbm.observe.http_server import KvbmHttpServer, json_reply
 from sglang_kvbm.observe.metrics import KvbmMetrics
+from sglang_kvbm.tiers import registry
 
 # ``linker`` below is the worker's ``KvbmLinker`` (not imported: the linker imports this module).
 
@@ -60,13 +61,11 @@ def metrics_of(snapshot: dict) -> dict:
         for name, (blocks, capacity) in snapshot.get("tiers", {}).items()
     }
     remote = {name: snapshot.get(name, {}) for name in snapshot.get("chain", ()) if "lookup_hits" in snapshot.get(name, {})}
-    obj = remote.get("object", {})
     return {
         **{f"kvbm_{name}": stats.get(name, 0) for name in (
-            "offload_blocks_d2h", "offload_blocks_h2d", "offload_blocks_d2d", "offload_blocks_h2obj",
-            "onboard_blocks_h2d", "onboard_blocks_d2d", "onboard_blocks_obj2h", "matched_tokens")},
-        "kvbm_g4_lookup_hits": obj.get("lookup_hits", 0),  # KVBM's G4 is its object tier
-        "kvbm_g4_lookup_misses": obj.get("lookup_misses", 0),
+            "offload_blocks_d2h", "offload_blocks_h2d", "offload_blocks_d2d", "onboard_blocks_h2d",
+            "onboard_blocks_d2d", "matched_tokens")},
+        **registry.metrics(snapshot),  # KVBM's names for the tiers further down, as each tier gives them
         "kvbm_host_cache_hit_rate": snapshot.get("host_hit_rate", 0.0),
         "kvbm_disk_cache_hit_rate": snapshot.get("disk_hit_rate", 0.0),
         "tiers": tiers,

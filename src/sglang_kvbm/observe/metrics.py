@@ -21,17 +21,15 @@ from typing import Callable, Iterable
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from sglang_kvbm.tiers import registry
+
 # KVBM's names (lib/runtime metrics, "kvbm" namespace) and their meaning.
 KVBM_COUNTERS = {
     "kvbm_offload_blocks_d2h": "Offload blocks from device to host",
     "kvbm_offload_blocks_h2d": "Offload blocks from host to disk",
     "kvbm_offload_blocks_d2d": "Offload blocks from device to disk (bypassing host)",
-    "kvbm_offload_blocks_h2obj": "Offload blocks from host to object storage",
     "kvbm_onboard_blocks_h2d": "Onboard blocks from host to device",
     "kvbm_onboard_blocks_d2d": "Onboard blocks from disk to device",
-    "kvbm_onboard_blocks_obj2h": "Onboard blocks from object storage to host",
-    "kvbm_g4_lookup_hits": "Blocks found in object storage (G4) by lookups",
-    "kvbm_g4_lookup_misses": "Blocks looked up in object storage (G4) and not found",
     "kvbm_matched_tokens": "Number of matched tokens",
 }
 # Every tier by its name (``host``, ``disk``, and each tier below): this library's, KVBM has no per-tier family.
@@ -72,7 +70,7 @@ class KvbmMetrics:
 
     def collect(self) -> Iterable[Metric]:
         snap = self._snapshot()
-        for name, doc in KVBM_COUNTERS.items():
+        for name, doc in {**KVBM_COUNTERS, **registry.metric_docs()}.items():
             metric = Metric(name, doc, "unknown")
             metric.add_sample(name, {}, float(snap.get(name, 0)))
             yield metric

@@ -7,6 +7,7 @@ A kind is a module ``sglang_kvbm.tiers.<name>.kind`` with:
   worker (None where the kind does not hold that pool), the onboard policy if
   the kind brings one, and its part of the start-up log line;
 * optionally ``doctor_rows(config, environ)`` (``sglang-kvbm doctor``),
+  ``METRIC_DOCS`` and ``metrics(snapshot)`` (KVBM's metric names for it),
   ``commands(subparsers)`` and ``run(args) -> Optional[int]`` (``sglang-kvbm``
   subcommands), and ``on_launch(config)`` (the SGLang launcher, before ranks
   start).
@@ -112,6 +113,23 @@ def run_command(args) -> Optional[int]:
             if result is not None:
                 return result
     return None
+
+
+def metrics(snapshot: dict) -> dict:
+    """KVBM's metric names the tiers give (``kind.metrics(snapshot)``), every tier's whether it is on or not (a
+    dashboard sees zeros, not a missing series)."""
+    out: dict = {}
+    for kind in kinds():
+        if hasattr(kind, "metrics"):
+            out.update(kind.metrics(snapshot))
+    return out
+
+
+def metric_docs() -> dict:
+    out: dict = {}
+    for kind in kinds():
+        out.update(getattr(kind, "METRIC_DOCS", {}))
+    return out
 
 
 def on_launch(config) -> None:

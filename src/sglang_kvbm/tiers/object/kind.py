@@ -59,6 +59,22 @@ def build(config, pools: WorkerPools) -> KindPlan:
     return KindPlan([make] + none[1:], summary=summary)
 
 
+METRIC_DOCS = {  # KVBM's names for its G4, which is this tier
+    "kvbm_offload_blocks_h2obj": "Offload blocks from host to object storage",
+    "kvbm_onboard_blocks_obj2h": "Onboard blocks from object storage to host",
+    "kvbm_g4_lookup_hits": "Blocks found in object storage (G4) by lookups",
+    "kvbm_g4_lookup_misses": "Blocks looked up in object storage (G4) and not found",
+}
+
+
+def metrics(snapshot: dict) -> dict:
+    """KVBM's G4 counters from a published snapshot (zeros while the tier is off)."""
+    connector, own = snapshot.get("connector", {}), snapshot.get(NAME, {})
+    return {"kvbm_offload_blocks_h2obj": connector.get("offload_blocks", {}).get(f"host->{NAME}", 0),
+            "kvbm_onboard_blocks_obj2h": connector.get("onboard_blocks", {}).get(NAME, 0),
+            "kvbm_g4_lookup_hits": own.get("lookup_hits", 0), "kvbm_g4_lookup_misses": own.get("lookup_misses", 0)}
+
+
 def doctor_rows(config, environ: Mapping[str, str]) -> list[tuple]:
     """NIXL's OBJ backend loads, and the endpoint accepts a connection."""
     rows = []
