@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.ports import BlockMeta
@@ -36,9 +36,13 @@ def read_leading(store, block_ids: Sequence[BlockId], slab, headers, rows: Seque
 class RemoteReads:
     """A remote tier's reads in flight: submitted urgent on its thread, timed, finished on the scheduler thread."""
 
-    def __init__(self, name: str, lane) -> None:
+    def __init__(self, name: str, lane, slot_bytes: int,
+                 observe: Callable[[str, int, float], None] = lambda path, nbytes, seconds: None) -> None:
+        """``observe`` hears of every read's verified bytes as the transfer path ``onboard_<name>`` (metrics)."""
         self._name = name
         self._lane = lane
+        self._slot_bytes = slot_bytes
+        self._observe = observe
         self._started: dict[Future, float] = {}
         self.lookup_hits = self.lookup_misses = 0
 
@@ -59,6 +63,8 @@ class RemoteReads:
         if not current:
             return [None] * len(block_ids), seconds
         found = sum(meta is not None for meta in metas)
+        if found:
+            self._observe(f"onboard_{self._name}", found * self._slot_bytes, seconds)
         self.lookup_hits += found  # blocks a lookup found there, and asked for in vain (KVBM's g4_lookup_*)
         self.lookup_misses += len(block_ids) - found
         return metas, seconds

@@ -60,7 +60,7 @@ def build(config, pools: WorkerPools) -> KindPlan:
                                              pp_size=int(ranks.get("pp_size", 1)), mla=pools.mla))
 
     def make(manager) -> MooncakeTier:
-        return MooncakeTier(store, manager.host, manager.generation,
+        return MooncakeTier(store, manager.host, manager.generation, observe=manager.observe,
                             offload_filter=FrequencyFilter() if config.mooncake_offload_filter else None)
 
     summary = f"master {config.mooncake_master}, objects {store.prefix}_<page hash>{store.suffix}, write-through"

@@ -32,7 +32,8 @@ class MooncakeTier:
     indexed = False
 
     def __init__(self, store, host, generation: Callable[[], int], *,
-                 offload_filter: Optional[FrequencyFilter] = None, lane: Optional[LaneExecutor] = None) -> None:
+                 offload_filter: Optional[FrequencyFilter] = None, lane: Optional[LaneExecutor] = None,
+                 observe: Callable[[str, int, float], None] = lambda path, nbytes, seconds: None) -> None:
         """``store``: a connected-on-demand ``G4Store``; ``host``: the host tier's pool (written through from)."""
         if host is None:
             raise ValueError("the mooncake tier needs a host tier: it is written through from host rows")
@@ -41,7 +42,8 @@ class MooncakeTier:
         self.meter = LinearCostMeter()
         self._lane = lane or LaneExecutor("kvbm-g4")
         self.writes = G4Writes(store, host, self._lane, generation, offload_filter=offload_filter)
-        self._reads = RemoteReads(NAME, self._lane)  # a master lost mid-call takes ~4.5 s to fail one
+        # a master lost mid-call takes ~4.5 s to fail one read
+        self._reads = RemoteReads(NAME, self._lane, store.header_bytes + store.block_bytes, observe)
         self._emit: Callable[[TierEvent], None] = lambda event: None
         self.staged = 0
 

@@ -51,7 +51,8 @@ def build(config, pools: WorkerPools) -> KindPlan:
                         block_bytes=layout.block_bytes, batch_blocks=max(1, JOB_BYTES // layout.block_bytes))
 
     def make(manager) -> ObjectTier:
-        return ObjectTier(store, manager.host, manager.generation, write_through=config.object_write_through,
+        return ObjectTier(store, manager.host, manager.generation, observe=manager.observe,
+                          write_through=config.object_write_through,
                           num_blocks=config.object_num_blocks)
 
     summary = (f"bucket {bucket} at {config.object_endpoint or 'AWS'}, objects {store.tag}/<page hash>, "

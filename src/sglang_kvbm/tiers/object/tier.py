@@ -72,7 +72,8 @@ class ObjectTier:
     indexed = False
 
     def __init__(self, store, host, generation: Callable[[], int], *, write_through: bool = True,
-                 num_blocks: int = 100_000, lane: Optional[LaneExecutor] = None) -> None:
+                 num_blocks: int = 100_000, lane: Optional[LaneExecutor] = None,
+                 observe: Callable[[str, int, float], None] = lambda path, nbytes, seconds: None) -> None:
         if host is None:
             raise ValueError("the object tier needs a host tier: every transfer is staged in host memory")
         self.store = store
@@ -87,7 +88,7 @@ class ObjectTier:
         self._writes: collections.deque[_Write] = collections.deque()
         self._pending: set = set()
         self._queue_blocks = max(1, min(host.capacity // 2, QUEUE_BYTES // store.slot_bytes))
-        self._reads = RemoteReads(NAME, self._lane)  # a hung server takes 3 s to fail one
+        self._reads = RemoteReads(NAME, self._lane, store.slot_bytes, observe)  # a hung server takes 3 s to fail one
         self._emit: Callable[[TierEvent], None] = lambda event: None
         self._closed = False
         self._own = collections.Counter()
