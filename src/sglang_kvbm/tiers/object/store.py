@@ -136,16 +136,21 @@ class ObjectStore:
         self._bounce_registration = self._agent.register_memory(self._bounce, backends=["OBJ"])
 
     def _abandon(self) -> None:
-        """A transfer failed: its requests may still write into the bounce buffer. Keep it aside, take another."""
+        """A transfer failed: its requests may still write into the bounce buffer. Keep it aside, take another;
+        free those set aside long enough ago."""
         now = time.monotonic()
-        self._abandoned = [a for a in self._abandoned if now - a[0] < ABANDON_S or self._release(a)]
-        self._abandoned.append((now, self._bounce, self._bounce_registration))
+        kept = []
+        for abandoned in self._abandoned:
+            if now - abandoned[0] < ABANDON_S:
+                kept.append(abandoned)
+            else:
+                self._release(abandoned)
+        self._abandoned = kept + [(now, self._bounce, self._bounce_registration)]
         self.stats["abandoned_buffers"] += 1
         self._new_bounce()
 
-    def _release(self, abandoned) -> bool:
+    def _release(self, abandoned) -> None:
         self._agent.deregister_memory(abandoned[2], backends=["OBJ"])
-        return False
 
     def _move(self, op: str, keys: Sequence[str], rows: Sequence[int]) -> None:
         """``op`` (``WRITE``/``READ``) whole objects between ``keys`` and bounce ``rows``; raises on failure."""

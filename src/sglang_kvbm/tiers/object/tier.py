@@ -37,8 +37,6 @@ from sglang_kvbm.transfer.lanes import LaneExecutor
 logger = logging.getLogger(__name__)
 NAME = "object"
 QUEUE_BYTES = 1 << 30  # host rows pinned for writes waiting on the tier's thread, at most
-
-
 MISSING, THERE, PUT = range(3)  # a block's fate in a write: not in the bucket, there already, put now
 
 
