@@ -19,6 +19,7 @@ from sglang_kvbm.core.offload_filter import FrequencyFilter
 from sglang_kvbm.core.onboard_policy import LinearCostMeter
 from sglang_kvbm.core.ports import BlockMeta, TierCounts, TierEvent, TierEventKind
 from sglang_kvbm.tiers.lower import Read
+from sglang_kvbm.tiers.mooncake.probe import unreachable_endpoints
 from sglang_kvbm.tiers.mooncake.writes import G4Writes
 from sglang_kvbm.tiers.remote import RemoteReads
 from sglang_kvbm.transfer.lanes import LaneExecutor
@@ -90,6 +91,9 @@ class MooncakeTier:
         """None while not connected or marked down (it asks Mooncake: never on the scheduler thread)."""
         if not self.store.connected or self.store.down:
             return None
+        if not block_ids:  # nothing to look up (the nearer tiers hold it all): whether the master answers at all
+            settings = self.store.settings
+            return None if unreachable_endpoints(settings.master, settings.metadata) else []
         found = self.store.contains(list(block_ids))
         return None if self.store.down else found
 

@@ -152,10 +152,9 @@ class ObjectTier:
         """Which blocks the bucket holds (on the tier's thread, waited for); None while it is down."""
         if self.store.down:
             return None
-        if not block_ids:
-            return []
-        try:
-            found = self._lane.submit_urgent(self.store.contains, list(block_ids)).result(timeout=30)
+        try:  # with nothing to look up (the nearer tiers hold it all), one HEAD says whether the store answers
+            asked = list(block_ids) or ["sglang-kvbm-liveness"]
+            found = self._lane.submit_urgent(self.store.contains, asked).result(timeout=30)[: len(block_ids)]
         except Exception:
             return None
         return None if self.store.down else found
