@@ -17,7 +17,7 @@ tier") and how this module answers it:
   :data:`ABANDON_S` later), and the store is marked down for ``retry_s``.
 * The SDK retries a refused connection for 25 s and a hung server for up to
   136 s by default; the plugin has no setting for it. ``AWS_RETRY_MODE=standard``
-  with ``AWS_MAX_ATTEMPTS`` set (here 3, unless set already, before the backend
+  with ``AWS_MAX_ATTEMPTS`` set (here 1, unless set already, before the backend
   is made) bounds it (1 attempt measured: milliseconds refused, 3-10 s hung); a
   single attempt failed a HEAD now and then on a loaded 2-core machine.
 * Which objects exist: ``query_memory`` sends one HEAD per key.
@@ -47,7 +47,7 @@ from sglang_kvbm.tiers.disk.format import header_bytes_for
 from sglang_kvbm.transfer.host_memory import aligned_empty
 
 logger = logging.getLogger(__name__)
-BOUNDED_RETRIES = {"AWS_RETRY_MODE": "standard", "AWS_MAX_ATTEMPTS": "3"}  # one slow HEAD under load is not a fault
+BOUNDED_RETRIES = {"AWS_RETRY_MODE": "standard", "AWS_MAX_ATTEMPTS": "1"}
 ABANDON_S = 120.0  # a failed transfer's buffer is kept this long: its stragglers end within 10 s (bounded retries)
 THREADS = 4  # the backend's request threads (its default is half the cores: 1 on a 2-core host)
 
