@@ -12,15 +12,18 @@ STAMP := $(VENV)/.installed
 DYNAMO_VENV := .venv-dynamo
 DYNAMO_STAMP := $(DYNAMO_VENV)/.installed
 
-.PHONY: demo test test-fast bench gpu-check clean system-deps
+.PHONY: demo test test-fast bench gpu-check native clean system-deps
+# The compiled block index (csrc/, nanobind): `pip install` builds it with the package (scikit-build-core),
+# so a change to it reinstalls the package.
+NATIVE_SOURCES := CMakeLists.txt $(wildcard csrc/*.cpp)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(NATIVE_SOURCES)
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --upgrade pip
 	$(VENV)/bin/pip install -e '.[test]'
 	touch $(STAMP)
 
-$(DYNAMO_STAMP): pyproject.toml
+$(DYNAMO_STAMP): pyproject.toml $(NATIVE_SOURCES)
 	$(PYTHON) -m venv $(DYNAMO_VENV)
 	$(DYNAMO_VENV)/bin/pip install --upgrade pip
 	$(DYNAMO_VENV)/bin/pip install -e '.[dynamo]'
@@ -59,11 +62,19 @@ bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/run_all.py
 
 # On a machine with a GPU and PyTorch, no SGLang and no install step (tests/gpu needs torch and this
-# package's source only): once plainly, once under PyTorch's CUDA stream sanitizer.
+# package's source only, with its block index built in place: `make native`, cmake and nanobind from that
+# Python): once plainly, once under PyTorch's CUDA stream sanitizer.
 GPU_PYTHON ?= python3
-gpu-check:
+gpu-check: native
 	PYTHONPATH=src $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -rs tests/gpu
 	TORCH_CUDA_SANITIZER=1 PYTHONPATH=src $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -rs tests/gpu
 
+# The block index in place (src/sglang_kvbm/_blocks*.so), for this source tree on PYTHONPATH without an install.
+native:
+	cmake -S . -B build/native -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$$(command -v $(GPU_PYTHON))" \
+	  -Dnanobind_DIR="$$($(GPU_PYTHON) -m nanobind --cmake_dir)"
+	cmake --build build/native
+	cp build/native/_blocks*.so src/sglang_kvbm/
+
 clean:
-	rm -rf $(VENV) $(DYNAMO_VENV) demo-out
+	rm -rf $(VENV) $(DYNAMO_VENV) demo-out build src/sglang_kvbm/_blocks*.so

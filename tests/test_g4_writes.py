@@ -12,6 +12,7 @@ race; no assertion is about time.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from concurrent.futures import wait
@@ -33,6 +34,12 @@ from sglang_kvbm.transfer.kv_layout import PagedKvLayout
 
 PAGE, PAGES = 4, 16
 IDENTITY, REKEYED = bytes(range(16)), bytes(range(16, 32))
+
+
+
+def bid(name: str) -> str:
+    """A block id as SGLang makes them (a hex sha256 digest), named for the test."""
+    return hashlib.sha256(name.encode()).hexdigest()
 
 
 @pytest.fixture
@@ -148,16 +155,16 @@ def test_a_row_released_by_the_disk_write_is_not_reused_under_a_pending_g4_write
     manager = make(managers, cluster, tmp_path)
     reader = Reader(cluster, manager.layout)
     gate = hold(manager)
-    x = store(manager, "block-x", page=0, seed=1)
+    x = store(manager, bid("x"), page=0, seed=1)
     assert manager.tiers["mooncake"].writes.futures() and manager.tiers["disk"].in_flight()  # X's G4 write and disk write are queued
     wait(manager.tiers["disk"].in_flight())  # the disk write is done; the G4 write waits
     manager.reset()  # the engine cleared its cache while X's writes were in flight
     manager.poll()  # the disk write's completion: it gives back its hold on X's row
-    y = store(manager, "block-y", page=1, seed=2)
+    y = store(manager, bid("y"), page=1, seed=2)
     assert not torch.equal(x, y)
     gate.set()
     g4_idle(manager)
-    served = reader.get("block-x")
+    served = reader.get(bid("x"))
     assert served is None or torch.equal(served, x), "G4 serves another block's bytes under block-x"
     assert manager.host.accounting()["orphaned"] == 0  # every row came back once its last holder ended
     reader.close()
@@ -170,14 +177,14 @@ def test_a_write_queued_before_a_rekey_never_publishes_under_the_new_identity(ma
     manager = make(managers, cluster, tmp_path, disk=False)
     new_identity = Reader(cluster, manager.layout, fingerprint=REKEYED)
     gate = hold(manager)
-    store(manager, "block-x", page=0, seed=1)
+    store(manager, bid("x"), page=0, seed=1)
     if dropped:
         manager.drop()
     manager.tiers["mooncake"].store.rekey(REKEYED)
     manager.tiers["mooncake"].writes.forget()
     gate.set()
     g4_idle(manager)
-    assert new_identity.store.contains(["block-x"]) == [False], "the old weights' KV published under the new identity"
+    assert new_identity.store.contains([bid("x")]) == [False], "the old weights' KV published under the new identity"
     assert manager.host.accounting()["pinned"] == 0 and manager.tiers["mooncake"].store.stats["write_stale"] == 1
     new_identity.close()
 
@@ -192,7 +199,7 @@ def test_a_full_g4_queue_defers_offers_unpinned_and_counts_them(managers, cluste
     manager.tiers["mooncake"].writes.queue_blocks = 2
     gate = hold(manager)
     for i in range(4):
-        store(manager, f"block-{i}", page=i, seed=i)
+        store(manager, bid(str(i)), page=i, seed=i)
     assert manager.tiers["mooncake"].writes.queued == 2  # two blocks wait with their rows pinned; two wait unpinned
     assert manager.host.accounting()["pinned"] == 2
     assert manager.tiers["mooncake"].store.stats["write_queue_full"] == 2
@@ -211,7 +218,7 @@ def test_blocks_lost_to_a_master_restart_are_written_again_when_reused(managers,
     """The store noticed the restart (its first call after one fails), or it did not (a client that lends memory
     reconnects by itself) and the blocks were seen in G4 longer than ``recheck_s`` ago (0 here)."""
     manager = make(managers, cluster, tmp_path, host_blocks=8, disk=False)
-    ids = [f"block-{i}" for i in range(3)]
+    ids = [bid(str(i)) for i in range(3)]
     written = [store(manager, b, page=i, seed=i) for i, b in enumerate(ids)]
     until(lambda: manager.tiers["mooncake"].writes.written == 3, manager, "write-through")
     cluster.kill_master()
@@ -237,24 +244,24 @@ def test_offers_made_while_g4_is_down_are_written_once_it_is_back(managers, clus
     cluster.kill_master()
     manager.tiers["mooncake"]._lane.submit(manager.tiers["mooncake"].store.contains, ["anything"]).result()  # a failed call: G4 is marked down
     assert manager.tiers["mooncake"].store.down
-    written = store(manager, "block-x", page=0, seed=1)
+    written = store(manager, bid("x"), page=0, seed=1)
     assert manager.tiers["mooncake"].writes.submitted == 0  # not attempted while down
     cluster.start_master()
     manager.tiers["mooncake"].store._down_until = 0.0  # as if the retry interval had passed
     until(lambda: cluster.capacity() > 0, manager, "the lender's remount")
     reader = Reader(cluster, manager.layout)
-    until(lambda: reader.get("block-x") is not None, manager, "the offer made while down was never written")
-    assert torch.equal(reader.get("block-x"), written)
+    until(lambda: reader.get(bid("x")) is not None, manager, "the offer made while down was never written")
+    assert torch.equal(reader.get(bid("x")), written)
     reader.close()
 
 
 def test_a_failing_write_is_retried_a_bounded_number_of_times(managers, cluster, tmp_path):
     """The master is lost mid-run (a client that never joined tries nothing: its offers wait until it joins)."""
     manager = make(managers, cluster, tmp_path, host_blocks=8, disk=False, retry_s=0.2)
-    store(manager, "block-w", page=1, seed=2)
+    store(manager, bid("w"), page=1, seed=2)
     until(lambda: manager.tiers["mooncake"].writes.written == 1, manager, "write-through")
     cluster.kill_master()  # and never back
-    store(manager, "block-x", page=0, seed=1)
+    store(manager, bid("x"), page=0, seed=1)
     until(lambda: manager.tiers["mooncake"].store.stats["write_gave_up"] == 1, manager, "the failed write was not given up")
     submitted = manager.tiers["mooncake"].writes.submitted
     assert submitted - 1 == manager.tiers["mooncake"].writes.max_tries == manager.tiers["mooncake"].store.stats["write_retried"] + 1
@@ -266,7 +273,7 @@ def test_a_failing_write_is_retried_a_bounded_number_of_times(managers, cluster,
 
 def test_closing_the_manager_closes_its_g4_client(managers, cluster, tmp_path):
     manager = make(managers, cluster, tmp_path, disk=False)
-    store(manager, "block-x", page=0, seed=1)
+    store(manager, bid("x"), page=0, seed=1)
     until(lambda: manager.tiers["mooncake"].store.connected and manager.tiers["mooncake"].writes.written == 1, manager, "write-through")
     manager.close()
     assert not manager.tiers["mooncake"].store.connected

@@ -1,147 +1,209 @@
-"""The block state machine, per slot: legal paths work, every illegal transition raises and changes nothing."""
+"""The compiled block index (``csrc/block_index.cpp``): the block state machine per slot, LRU with pins, ids.
+
+Legal paths work; every illegal transition raises and changes nothing; eviction matches a plain model of the
+policy over thousands of random operations; ids are SGLang's hex storage hashes or their 32 raw bytes.
+"""
+
+import hashlib
+import random
 
 import pytest
 
-from sglang_kvbm.core.lifecycle import BlockState, BlockStateError, SlotLifecycle
-from sglang_kvbm.core.lru import LruIndex
+from sglang_kvbm._blocks import BlockIndex, held_by
+from sglang_kvbm.core.identity import chain_hashes
+from sglang_kvbm.core.lifecycle import BlockState, BlockStateError
+
+IDS = chain_hashes(list(range(4096)), 1)  # real ids: SGLang's page hash chain at page size 1
+
+
+def index_with(n: int, capacity: int = 8) -> BlockIndex:
+    """An index holding IDS[:n], registered in order with the first most recent; payloads are ``m<i>``."""
+    index = BlockIndex(capacity)
+    slots, _ = index.reserve(IDS[:n])
+    index.commit(slots, [f"m{i}" for i in range(n)])
+    return index
 
 
 def test_full_lifecycle_of_a_batch():
-    slots = SlotLifecycle(8)
-    slots.reserve([1, 2, 3])
-    assert [slots.state(s) for s in (0, 1)] == [BlockState.FREE, BlockState.MUTABLE]
-    slots.commit([1, 2, 3])
-    slots.register([1, 2, 3])
-    assert slots.count(BlockState.REGISTERED) == 3
-    slots.drop([2])
-    assert slots.state(2) is BlockState.FREE
-    slots.reserve([2])  # a dropped block's slot is reusable
+    index = BlockIndex(8)
+    slots, evicted = index.reserve(IDS[:3])
+    assert slots == [0, 1, 2] and evicted == []  # rows go out in ascending order: a burst is contiguous
+    assert [index.state(s) for s in (0, 3)] == [BlockState.MUTABLE, BlockState.FREE]
+    assert index.holds(IDS[0]) and not index.registered(IDS[0]) and index.inflight_count() == 3
+    index.commit(slots, ["a", "b", "c"])
+    assert len(index) == 3 and index.inflight_count() == 0 and index.state(1) == BlockState.REGISTERED
+    assert index.remove([IDS[1]]) == ["b"] and index.state(1) == BlockState.FREE
+    assert index.reserve([IDS[1]])[0] == [1]  # a dropped block's slot is reusable
 
 
-@pytest.mark.parametrize("steps", [["reserve"], ["reserve", "commit"]])
-def test_drop_before_register_is_allowed(steps):
-    slots = SlotLifecycle(4)
-    for step in steps:
-        getattr(slots, step)([0, 1])
-    slots.drop([0, 1])
-    assert slots.count(BlockState.FREE) == 4
+def test_abort_frees_a_copys_slots_and_leaves_registered_ones_alone():
+    index = BlockIndex(4)
+    slots, _ = index.reserve(IDS[:3])
+    index.commit(slots[:1], ["a"])
+    index.abort(slots)  # the failed copy's pages: the first was registered meanwhile (a partial commit)
+    assert len(index) == 1 and not index.holds(IDS[1]) and index.free_count() == 3
+    assert index.inflight_count() == 0
 
 
-@pytest.mark.parametrize(
-    "steps, illegal",
-    [
-        ([], "commit"),  # nothing reserved
-        ([], "register"),
-        ([], "drop"),  # dropping what is not there
-        (["reserve"], "register"),  # register before commit
-        (["reserve"], "reserve"),  # a slot reserved twice
-        (["reserve", "commit"], "commit"),  # commit twice
-        (["reserve", "commit", "register"], "commit"),
-        (["reserve", "commit", "register"], "register"),
-        (["reserve", "commit", "register", "drop"], "drop"),
-    ],
-)
-def test_illegal_transitions_raise_and_change_nothing(steps, illegal):
-    slots = SlotLifecycle(4)
-    for step in steps:
-        getattr(slots, step)([1])
-    slots.reserve([3])  # slot 3 is MUTABLE: dropping it is legal, so a batch [3, 1] is half legal
-    companion = 3 if illegal == "drop" else 2  # slot 2 is FREE: legal for reserve only
-    before = [slots.state(s) for s in range(4)]
+@pytest.mark.parametrize("illegal", ["commit FREE", "commit twice", "reserve held", "reserve twice in one call"])
+def test_illegal_transitions_raise_and_change_nothing(illegal):
+    index = BlockIndex(4)
+    slots, _ = index.reserve(IDS[:1])  # slot 0 MUTABLE: committing it alone would be legal
+    before = [index.state(s) for s in range(4)], index.free_count(), index.inflight_count()
     with pytest.raises(BlockStateError):
-        getattr(slots, illegal)([companion, 1])
-    assert [slots.state(s) for s in range(4)] == before  # the whole batch is checked before any slot moves
+        if illegal == "commit FREE":
+            index.commit([0, 2], ["a", "b"])  # half legal: slot 2 is FREE
+        elif illegal == "commit twice":
+            index.commit(slots, ["a"])
+            before = [index.state(s) for s in range(4)], index.free_count(), index.inflight_count()
+            index.commit(slots, ["a"])
+        elif illegal == "reserve held":
+            index.reserve([IDS[1], IDS[0]])  # IDS[0] is being written already
+        else:
+            index.reserve([IDS[1], IDS[2], IDS[1]])
+    assert ([index.state(s) for s in range(4)], index.free_count(), index.inflight_count()) == before
+
+
+def test_ids_are_hex_storage_hashes_or_their_bytes_and_anything_else_is_refused():
+    index = index_with(1)
+    assert index.registered(bytes.fromhex(IDS[0])) and index.registered(IDS[0].upper())
+    for bad in ["a", IDS[0][:63], IDS[0][:63] + "g", IDS[0][:63] + "\xe1", b"\x00" * 31, 7, None]:
+        with pytest.raises((ValueError, TypeError)):
+            index.holds(bad)
+    rng = random.Random(3)
+    for _ in range(2000):  # the vectorized parse against Python's, on random digests
+        raw = rng.randbytes(32)
+        assert index.registered(raw.hex()) == index.registered(raw) is False
+    for position in (0, 17, 63):  # every character class at a few positions: only hex digits pass
+        for code in range(256):
+            text = IDS[1][:position] + chr(code) + IDS[1][position + 1 :]
+            ok = chr(code) in "0123456789abcdefABCDEF"
+            try:
+                index.holds(text)
+            except ValueError:
+                assert not ok, (position, code)
+            else:
+                assert ok, (position, code)
 
 
 def test_lru_evicts_least_recent_and_never_a_pinned_block():
-    lru = LruIndex()
-    lru.add(["a", "b", "c"], [0, 1, 2])
-    lru.touch(["a"])
-    assert lru.pin(["b"]) == [1]
-    assert lru.pop_victim() == ("c", 2)  # b is pinned, a was touched
-    assert lru.pop_victim() == ("a", 0)
-    assert lru.pop_victim() is None  # only the pinned block is left
-    assert "b" in lru and lru.slot("b") == 1
-    lru.unpin(["b"])
-    assert lru.pop_victim() == ("b", 1)
+    index = index_with(3, capacity=3)  # most recent first: IDS[0], IDS[1], IDS[2]
+    index.touch([IDS[2]])
+    assert index.pin([IDS[1]]) == [1]
+    slots, evicted = index.reserve(IDS[3:5])
+    assert evicted == ["m0", "m2"] and sorted(slots) == [0, 2]  # IDS[1] pinned; IDS[2] was touched after IDS[0]
+    assert index.reserve(IDS[5:6]) == ([], [])  # only the pinned block is left to evict, and it is pinned
+    index.unpin([IDS[1]])
+    assert index.reserve(IDS[5:6])[1] == ["m1"]
 
 
 def test_lru_walks_a_pinned_block_at_most_once_and_gives_up_at_once_when_all_are_pinned():
-    lru = LruIndex()
-    n = 100_000
-    lru.add(range(n), range(n))
-    lru.pin(list(range(n - 1)))  # all but the newest pinned
-    assert lru.pop_victim() == (n - 1, n - 1)
-    assert [b for b, _ in lru.items()[:3]] == [0, 1, 2]  # the pinned ones, moved warm once, in order
-    assert lru.pinned_count() == n - 1
-    assert lru.pop_victim() is None  # every block pinned: no walk at all
-    lru.unpin([5])
-    assert lru.pop_victim() == (5, 5)
+    n = 4000
+    index = index_with(n, capacity=n)  # least recent: IDS[n-1]
+    index.pin(IDS[1:n])  # all but the most recent pinned
+    assert index.reserve(IDS[n : n + 1])[1] == ["m0"]
+    assert [p for _, p in index.items()[:3]] == [f"m{n - 1}", f"m{n - 2}", f"m{n - 3}"]  # walked warm once, in order
+    assert index.pinned_count() == n - 1
+    assert index.reserve(IDS[n + 1 : n + 2]) == ([], [])  # every block pinned: no walk at all
+    index.unpin([IDS[5]])
+    assert index.reserve(IDS[n + 1 : n + 2])[1] == ["m5"]
 
 
 def test_lru_pins_count_each_holder_and_touch_orders_a_prefix_head_last():
-    lru = LruIndex()
-    lru.add(["a", "b", "c", "d"], [0, 1, 2, 3])
-    lru.pin(["a", "b"])
-    lru.pin(["b", "c", "c"])  # two loads share b; a repeated id is two pins
-    assert lru.pinned_count() == 3
-    lru.unpin(["b", "c"])
-    assert lru.pinned_count() == 3  # b and c are still held once each
-    lru.unpin(["a", "b", "c"])
-    assert lru.pinned_count() == 0
-    lru.pin(["d"])
-    lru.unpin(["d", "d", "x"])  # more unpins than pins, and an id never pinned: no negative count survives
-    assert lru.pinned_count() == 0 and not lru.pinned("d")
-    lru.pin(["d", "d"])
-    lru.unpin(["d", "d"])  # a repeated id in one call: two unpins
-    assert not lru.pinned("d")
-    lru.touch(["c", "x", "a"])  # x is not held: ignored; the head (c) ends most recent
-    assert [b for b, _ in lru.items()] == ["b", "d", "a", "c"]
+    a, b, c, d, x = IDS[:4] + [IDS[100]]
+    index = index_with(4)
+    index.pin([a, b])
+    index.pin([b, c, c])  # two loads share b; a repeated id is two pins
+    assert index.pinned_count() == 3 and index.pins(c) == 2
+    index.unpin([b, c])
+    assert index.pinned_count() == 3  # b and c are still held once each
+    index.unpin([a, b, c])
+    assert index.pinned_count() == 0
+    index.pin([d])
+    index.unpin([d, d, x])  # more unpins than pins, and an id never held: no negative count survives
+    assert index.pinned_count() == 0 and not index.pinned(d)
+    with pytest.raises(KeyError):
+        index.pin([a, x])  # x is not registered: nothing is pinned
+    assert index.pinned_count() == 0
+    index.touch([c, x, a])  # x is not held: ignored; the head (c) ends most recent
+    assert [p for _, p in index.items()] == ["m3", "m1", "m0", "m2"]
 
 
-def test_lru_pop_victims_matches_a_plain_model_of_the_policy():
-    """The batch eviction (C fast path when the cold end is unpinned, else the walk) against a list model."""
-    import random
-
+def test_eviction_matches_a_plain_model_of_the_policy():
+    """Reserve's evictions, pins, touches and removals against a list model, over thousands of random steps."""
     rng = random.Random(7)
-    lru, order, pins = LruIndex(), [], {}  # order: least recent first
-    for step in range(3000):
+    capacity = 64
+    index, order, pins = BlockIndex(capacity), [], {}  # order: registered, least recent first
+    for step in range(4000):
         op = rng.random()
-        if op < 0.3:
-            new = [b for b in (rng.randrange(200) for _ in range(rng.randint(1, 8))) if b not in order]
-            new = list(dict.fromkeys(new))
-            lru.add(new, [b + 1000 for b in new])
-            order.extend(new)
-        elif op < 0.45 and order:
-            ids = rng.sample(order, min(len(order), rng.randint(1, 5)))
-            lru.pin(ids)
-            for b in ids:
-                pins[b] = pins.get(b, 0) + 1
-        elif op < 0.6 and pins:
-            ids = rng.sample(sorted(pins), min(len(pins), rng.randint(1, 3)))
-            lru.unpin(ids)
-            for b in ids:
-                pins[b] -= 1
-                if not pins[b]:
-                    del pins[b]
-        elif op < 0.75 and order:
-            ids = rng.sample(order, min(len(order), rng.randint(1, 5)))
-            lru.touch(ids)
-            for b in reversed(ids):
-                order.remove(b)
-                order.append(b)
-        else:
-            n = rng.randint(1, 10)
-            expected, walked = [], 0
-            while len(expected) < n and len(pins) < len(order) and walked < len(order):
+        if op < 0.35:
+            new = [b for b in dict.fromkeys(rng.randrange(300) for _ in range(rng.randint(1, 6)))
+                   if b not in order]
+            slots, evicted = index.reserve([IDS[b] for b in new])
+            expected, walked, short = [], 0, len(new) - (capacity - len(order))
+            while len(expected) < short and len(pins) < len(order) and walked < len(order):
                 b = order.pop(0)
                 if b in pins:
                     order.append(b)
                     walked += 1
                     continue
-                expected.append((b, b + 1000))
-            assert lru.pop_victims(n) == expected, step
-        assert [b for b, _ in lru.items()] == order and lru.pinned_count() == len(pins)
+                expected.append(b)
+            assert evicted == expected, step
+            taken = new[: len(slots)]
+            if rng.random() < 0.2:
+                index.abort(slots)
+            else:
+                index.commit(slots, taken)
+                order.extend(reversed(taken))
+        elif op < 0.5 and order:
+            ids = rng.sample(order, min(len(order), rng.randint(1, 4)))
+            index.pin([IDS[b] for b in ids])
+            for b in ids:
+                pins[b] = pins.get(b, 0) + 1
+        elif op < 0.65 and pins:
+            ids = rng.sample(sorted(pins), min(len(pins), rng.randint(1, 3)))
+            index.unpin([IDS[b] for b in ids])
+            for b in ids:
+                pins[b] -= 1
+                if not pins[b]:
+                    del pins[b]
+        elif op < 0.85 and order:
+            ids = rng.sample(order, min(len(order), rng.randint(1, 5)))
+            index.touch([IDS[b] for b in ids])
+            for b in reversed(ids):
+                order.remove(b)
+                order.append(b)
+        elif order:
+            ids = rng.sample(order, min(len(order), 2))
+            removed = index.remove([IDS[b] for b in ids], skip_pinned=True)
+            gone = [b for b in ids if b not in pins]
+            assert removed == gone, step
+            for b in gone:
+                order.remove(b)
+        assert [p for _, p in index.items()] == order and index.pinned_count() == len(pins), step
+        assert index.free_count() == capacity - len(order), step
+
+
+def test_held_by_reports_each_index_per_block_up_to_the_first_held_nowhere():
+    host, disk = index_with(2), BlockIndex(8)
+    slots, _ = disk.reserve(IDS[1:4])
+    disk.commit(slots, ["d1", "d2", "d3"])
+    assert held_by(IDS[:6], [host, disk]) == bytes([1, 3, 2, 2])
+    assert held_by(IDS[4:], [host, disk]) == b""
+
+
+def test_forget_keeps_a_pinned_or_written_slot_until_its_holders_let_go():
+    index = index_with(3, capacity=4)
+    index.pin([IDS[0]])
+    index.pin([IDS[0]])  # two holders (a disk write and a G4 write read one host row)
+    writing, _ = index.reserve(IDS[3:4])
+    assert sorted(index.forget(True)) == [1, 2]  # the unpinned blocks' slots are free at once
+    assert len(index) == 0 and not index.holds(IDS[0]) and index.orphan_count() == 2
+    index.release_orphans([0])  # the first holder ends
+    assert index.reserve(IDS[10:13])[0] == [1, 2]  # the orphans' rows are not handed out
+    index.abort(writing)  # the write of the forgotten generation ends
+    index.release_orphans([0])  # so does the second holder
+    assert index.orphan_count() == 0 and sorted(index.reserve(IDS[20:22])[0]) == [0, 3]
 
 
 def test_a_host_row_pinned_by_two_holders_is_reused_only_after_both_let_go():
@@ -150,47 +212,37 @@ def test_a_host_row_pinned_by_two_holders_is_reused_only_after_both_let_go():
     from sglang_kvbm.tiers.host.pool import HostBlockPool
     from sglang_kvbm.transfer.host_memory import aligned_empty
 
+    x, y, z, w = IDS[:4]
     pool = HostBlockPool(aligned_empty((2, 4096)))
-    rows, _ = pool.reserve(["x"])
-    pool.commit([BlockMeta("x", (1, 2), None, None)], rows)
-    held = pool.pin(["x"])  # the disk write
-    assert pool.pin(["x"]) == held  # the G4 write
+    rows, _ = pool.reserve([x])
+    pool.commit([BlockMeta(x, (1, 2), None, None)], rows)
+    held = pool.pin([x])  # the disk write
+    assert pool.pin([x]) == held  # the G4 write
     pool.forget()
     pool.release_orphans(held)  # the disk write ends
     assert pool.accounting()["orphaned"] == 1
-    got, _ = pool.reserve(["y", "z"])
+    got, _ = pool.reserve([y, z])
     assert held[0] not in got and len(got) == 1  # the G4 write still reads its row
     pool.release_orphans(held)  # the G4 write ends
-    assert pool.accounting()["orphaned"] == 0 and pool.reserve(["w"])[0] == held
+    assert pool.accounting()["orphaned"] == 0 and pool.reserve([w])[0] == held
 
 
-def test_pinned_host_memory_is_unregistered_before_it_is_unmapped(monkeypatch):
-    """``aligned_empty(pin=True)`` hands ``cuda_copies.pin`` the object whose finalizer runs ``cudaHostUnregister``;
-    that finalizer must run while the range is still mapped (a finalizer on the ``mmap`` itself runs after its
-    munmap). CUDA cannot run here: ``pin`` is replaced by what it does besides registering (the finalizer)."""
-    import gc
-    import weakref
+def test_a_segment_gone_takes_its_slots_out_until_it_is_recreated():
+    index = BlockIndex(8, False)  # a disk index: no slot usable before the segments are known
+    assert index.reserve(IDS[:1]) == ([], [])
+    index.restore([5], [IDS[0]], ["h0"])
+    index.set_free([0, 1, 2, 3])
+    writing, _ = index.reserve(IDS[1:3])
+    assert writing == [0, 1]
+    assert index.drop_slots([0, 1, 5]) == ["h0"]  # the segment with slots 0, 1 and 5 is gone
+    index.abort(writing)
+    assert index.free_count() == 2 and index.reserve(IDS[3:6])[0] == [2, 3]
+    index.add_free([0, 1, 5])  # recreated
+    assert sorted(index.reserve(IDS[6:9])[0]) == [0, 1, 5]
 
-    from sglang_kvbm.transfer import cuda_copies
-    from sglang_kvbm.transfer.host_memory import aligned_empty
 
-    def mapped(address: int) -> bool:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                start, end = (int(x, 16) for x in line.split()[0].split("-"))
-                if start <= address < end:
-                    return True
-        return False
-
-    seen = []
-    monkeypatch.setattr(cuda_copies, "pin", lambda memory, base: weakref.finalize(
-        memory, lambda: seen.append(mapped(base))))
-    slab = aligned_empty((4, 4096), pin=True)
-    view = slab[1:3]
-    base = slab.data_ptr()
-    del slab
-    gc.collect()
-    assert seen == [] and mapped(base)  # a view keeps the memory
-    del view
-    gc.collect()
-    assert seen == [True]
+def test_digest_bytes_and_hex_are_one_key():
+    digest = hashlib.sha256(b"page").digest()
+    index = BlockIndex(2)
+    index.commit(index.reserve([digest])[0], ["p"])
+    assert index.slot(digest.hex()) == 0 and index.payloads([digest.hex(), IDS[0]]) == ["p"]

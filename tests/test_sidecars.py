@@ -6,6 +6,7 @@ them); blocks are stored by id through the same path the linker's offloads take.
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 import torch
@@ -14,6 +15,11 @@ from sglang_kvbm.core.ports import BlockMeta, StoreRequest
 from sglang_kvbm.tiers.manager import LocalBlockManager
 from sglang_kvbm.tiers.sidecars import SidecarStores
 from sglang_kvbm.transfer.kv_layout import PagedKvLayout
+
+
+def bid(name: str) -> str:
+    """A block id as SGLang makes them (a hex sha256 digest), named for the test."""
+    return hashlib.sha256(name.encode()).hexdigest()
 
 
 def manager(pages: int = 64, host: int = 0) -> LocalBlockManager:
@@ -37,7 +43,7 @@ def test_the_longest_boundary_is_the_last_of_every_restorable_one():
     for trial in range(200):
         windows = {"swa": rng.randint(1, 5), "mamba": 1} if trial % 2 else {"swa": rng.randint(1, 5)}
         stores = SidecarStores({name: (manager(), w) for name, w in windows.items()})
-        keys = [f"k{trial}-{i}" for i in range(rng.randint(1, 40))]
+        keys = [bid(f"k{trial}-{i}") for i in range(rng.randint(1, 40))]
         density = rng.random()
         store(stores, {name: [k for k in keys if rng.random() < density] for name in windows})
         hit = rng.randint(1, len(keys))
@@ -52,10 +58,10 @@ def test_the_longest_boundary_is_the_last_of_every_restorable_one():
 
 def test_an_offload_completes_when_every_part_did_and_fails_if_one_failed():
     stores = SidecarStores({"swa": (manager(8, host=4), 2)})
-    store(stores, {"swa": ["a", "b"]})
+    store(stores, {"swa": [bid("a"), bid("b")]})
     stores.store({})  # an offload without sidecar parts completes at once
     assert stores.completed() == 1 and stores.pop()
-    too_many = [f"x{i}" for i in range(6)]  # more blocks than the host tier holds: the part fails
+    too_many = [bid(f"x{i}") for i in range(6)]  # more blocks than the host tier holds: the part fails
     stores.store({"swa": StoreRequest(tuple(too_many), torch.arange(6), lambda pos: [BlockMeta(too_many[i]) for i in pos])})
     stores.managers["swa"].wait(10)
     assert stores.completed() == 1 and stores.pop() is False

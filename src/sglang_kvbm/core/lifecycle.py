@@ -19,69 +19,27 @@ not arrive whole is never visible. Every other transition raises
 :class:`BlockStateError`: a wrong transition is a bug in the caller, reported
 where it happens rather than later as wrong KV.
 
-Transitions take a batch of slots (a copy moves many pages at once) and check
-the whole batch before changing any of it.
+Each tier's slots follow it in the compiled block index
+(:class:`sglang_kvbm._blocks.BlockIndex`, ``csrc/block_index.cpp``), with the
+LRU order and the pins beside the states: a copy's slots are reserved
+(``MUTABLE``), then registered at once when its bytes are there (``commit``
+passes through ``COMMITTED``), or aborted. A call checks its whole batch
+before it changes any slot.
 """
 
 from __future__ import annotations
 
 import enum
-from collections import deque
-from itertools import repeat
-from typing import Sequence
 
+from sglang_kvbm._blocks import BlockStateError
 
-class BlockStateError(RuntimeError):
-    """An illegal lifecycle transition."""
+__all__ = ["BlockState", "BlockStateError"]
 
 
 class BlockState(enum.IntEnum):
+    """``BlockIndex.state(slot)``."""
+
     FREE = 0
     MUTABLE = 1
     COMMITTED = 2
     REGISTERED = 3
-
-
-class SlotLifecycle:
-    """The :class:`BlockState` of each of ``num_slots`` slots."""
-
-    def __init__(self, num_slots: int) -> None:
-        self._state = bytearray(num_slots)
-
-    def __len__(self) -> int:
-        return len(self._state)
-
-    def state(self, slot: int) -> BlockState:
-        return BlockState(self._state[slot])
-
-    def count(self, state: BlockState) -> int:
-        return self._state.count(state)
-
-    def reserve(self, slots: Sequence[int]) -> None:
-        self._move(slots, BlockState.FREE, BlockState.MUTABLE)
-
-    def commit(self, slots: Sequence[int]) -> None:
-        self._move(slots, BlockState.MUTABLE, BlockState.COMMITTED)
-
-    def register(self, slots: Sequence[int]) -> None:
-        self._move(slots, BlockState.COMMITTED, BlockState.REGISTERED)
-
-    def drop(self, slots: Sequence[int]) -> None:
-        """Free the slots of blocks in any state but FREE (dropping twice is a bug)."""
-        states = bytes(map(self._state.__getitem__, slots))
-        if states.count(BlockState.FREE):
-            slot = next(s for s in slots if self._state[s] == BlockState.FREE)
-            raise BlockStateError(f"slot {slot}: dropped a block that is not there (already FREE)")
-        deque(map(self._state.__setitem__, slots, repeat(BlockState.FREE)), maxlen=0)  # in C
-
-    def drop_all(self) -> None:
-        self._state = bytearray(len(self._state))
-
-    def _move(self, slots: Sequence[int], expected: BlockState, to: BlockState) -> None:
-        states = bytes(map(self._state.__getitem__, slots))
-        if states.count(expected) != len(states):
-            slot = next(s for s in slots if self._state[s] != expected)
-            raise BlockStateError(
-                f"slot {slot}: cannot go {BlockState(self._state[slot]).name} -> {to.name} (only from {expected.name})"
-            )
-        deque(map(self._state.__setitem__, slots, repeat(to)), maxlen=0)  # in C

@@ -1,8 +1,9 @@
 """Reading the tiers for a request: what the chain holds of a prefix, and pinning it for a load.
 
 Scheduler thread only. The chain is host, then the lower tiers in order
-(``tiers.registry``). Membership over a whole prefix is one C-level ``map`` per
-indexed tier (no Python loop per page); the onboard policy decides whether a
+(``tiers.registry``). Which of host, the indexed tiers and staging hold each
+block of a prefix is one call into their compiled indexes (``held_by``), up to
+the first block none holds (no Python loop per page); the onboard policy decides whether a
 span that only lower tiers hold is worth reading; indexed tiers' blocks are read
 into verified staging (``staging``) as soon as a lookup finds them; what the
 nearer tiers cannot serve is fetched from each remote tier in turn, waited for
@@ -20,9 +21,10 @@ import dataclasses
 import logging
 import operator
 from concurrent.futures import wait
-from itertools import compress, repeat, takewhile, tee
+from itertools import compress, repeat
 from typing import Callable, Optional, Sequence
 
+from sglang_kvbm._blocks import held_by
 from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.transfer.indexes import index
 
@@ -30,7 +32,7 @@ logger = logging.getLogger(__name__)
 WAIT_SLACK = 3.0  # a read may take this many times the meter's estimate before the load gives up on it
 WAIT_FLOOR_S = 0.05  # and at least this long (thread hand-offs, a disk's jitter)
 FIRST_READ_WAIT_S = 0.5  # a remote tier's read before any was timed
-_first, _second = operator.itemgetter(0), operator.itemgetter(1)
+_HOST = bytes(i & 1 for i in range(256))  # ``held_by``'s byte -> 1 where host (the first index) holds the block
 
 
 @dataclasses.dataclass
@@ -39,7 +41,7 @@ class LoadPlan:
 
     host_ids: list[BlockId]
     host_rows: list[int]
-    host_positions: list[int]
+    host_positions: Sequence[int]  # a range when the whole load is host rows
     staged_ids: list[BlockId]
     staged_rows: list[int]
     staged_positions: list[int]
@@ -63,12 +65,10 @@ class LoadPlan:
         return len(self.staged_ids)
 
 
-def _run(flags: list) -> int:
-    """Length of the leading run of true flags."""
-    try:
-        return flags.index(False)
-    except ValueError:
-        return len(flags)
+def _run(flags: bytes) -> int:
+    """Length of the leading run of non-zero bytes."""
+    end = flags.find(0)
+    return len(flags) if end < 0 else end
 
 
 class TierReads:
@@ -81,51 +81,42 @@ class TierReads:
         self._host, self._staging = host, staging
         self._indexed = [t for t in tiers if t.indexed]
         self._remote = [t for t in tiers if not t.indexed]
+        # What ``held_by`` asks, in this order: host's index first (bit 0, when there is a host tier).
+        self._chain = ([host.index] if host is not None else []) + [t.index for t in self._indexed]
+        self._with_staging = self._chain + ([staging.pool.index] if staging is not None else [])
         self._policy = policy
         self._offer_reused = offer_reused
         self._load_timeout = load_timeout
         self._generation = generation
         self.load_waits = self.load_waits_expired = self.remote_waits_expired = 0
 
-    def _lower(self, block_ids: Sequence[BlockId], host, staged: bool):
-        """Lazily, per block: ``host``, or held by an indexed tier, or (with ``staged``) read into staging already:
-        servable, but not a tier, so not announced."""
-        held = host
-        for tier in self._indexed:
-            held = map(operator.or_, held, map(tier.contains, block_ids))
-        if staged and self._staging is not None:
-            held = map(operator.or_, held, map(self._staging.pool.contains, block_ids))
-        return iter(held)
-
-    def _leading(self, block_ids: Sequence[BlockId], *, staged: bool) -> list:
-        """Host flags of the leading run of servable blocks: lookups stop at the first block held nowhere (C)."""
-        host = map(self._host.contains, block_ids) if self._host is not None else repeat(False, len(block_ids))
-        host, into_lower = tee(host)
-        pairs = takewhile(_second, zip(host, self._lower(block_ids, into_lower, staged)))
-        return list(map(_first, pairs))
+    def _held(self, block_ids: Sequence[BlockId], *, staged: bool) -> tuple[int, bytes]:
+        """``(leading blocks servable, 1/0 per one of them: in host)``; servable: in host, an indexed tier or (with
+        ``staged``) read into staging already (servable, but not a tier, so not announced). One call: C++."""
+        mask = held_by(block_ids, self._with_staging if staged else self._chain)
+        return len(mask), (mask.translate(_HOST) if self._host is not None else bytes(len(mask)))
 
     def peek(self, block_ids: Sequence[BlockId]) -> tuple[int, int]:
         """What host and the indexed tiers hold, exactly as their events announced it (no staging)."""
         if not block_ids:
             return 0, 0
-        host = self._leading(block_ids, staged=False)
-        return _run(host), len(host)
+        hit, host = self._held(block_ids, staged=False)
+        return _run(host), hit
 
     def servable(self, block_ids: Sequence[BlockId]) -> list[bool]:
         """Per block: servable now (host, an indexed tier, or read into staging); changes nothing."""
         if not block_ids:
             return []
-        host = list(map(self._host.contains, block_ids)) if self._host is not None else [False] * len(block_ids)
-        return list(self._lower(block_ids, host, True))
+        flags = [index.flags(block_ids) for index in self._with_staging]
+        return [any(f) for f in zip(*flags)] if flags else [False] * len(block_ids)
 
     def lookup(self, block_ids: Sequence[BlockId]) -> tuple[int, dict[str, int]]:
         """``(leading blocks servable now, how many of them each tier serves)``; starts reading those below host."""
         if not block_ids:
             return 0, {}
-        host = self._leading(block_ids, staged=True)  # the lookups stop at the first block held nowhere
-        hit = len(host)
+        hit, host = self._held(block_ids, staged=True)  # the lookups stop at the first block held nowhere
         host_run = _run(host)
-        below = hit - sum(host)
+        below = hit - host.count(1)
         if below:
             if below > self._staging.capacity:  # no load can stage more than this at once
                 hit, seen = 0, 0
@@ -167,10 +158,17 @@ class TierReads:
             if len(done) < len(futures):
                 self.remote_waits_expired += 1
             staging.collect()
-        return _run(list(map(staging.pool.contains, block_ids[hit:])))
+        return staging.pool.index.run(block_ids[hit:])
 
     def acquire(self, block_ids: Sequence[BlockId]) -> Optional[LoadPlan]:
         host, staging = self._host, self._staging
+        if host is not None:  # the usual case first: every block in host, pinned in one call (or none is)
+            try:
+                rows = host.pin(block_ids)
+            except KeyError:
+                pass
+            else:
+                return LoadPlan(list(block_ids), rows, range(len(block_ids)), [], [], [], [], self._generation())
         host_rows = host.rows(block_ids) if host is not None else [None] * len(block_ids)
         in_host = list(map(operator.is_not, host_rows, repeat(None)))
         lower = list(compress(block_ids, map(operator.not_, in_host)))

@@ -36,6 +36,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence
 
+from sglang_kvbm._blocks import BlockIndex
 from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.onboard_policy import LinearCostMeter
 from sglang_kvbm.core.ports import BlockMeta, TierCounts, TierEvent
@@ -64,8 +65,9 @@ class LowerTier(Protocol):
         """Indexed: registered (servable) now. Remote: known to be there (it may have lost it since)."""
 
     @property
-    def contains(self) -> Callable[[BlockId], bool]:
-        """Indexed tiers: :meth:`holds` as a C-level callable, for ``map`` over a prefix."""
+    def index(self) -> Optional[BlockIndex]:
+        """Indexed tiers: the compiled index of what it registers (``lookups`` asks it, host's and staging's about
+        a whole prefix in one call); None for a tier found by reading."""
 
     def touch(self, block_ids: Sequence[BlockId]) -> None:
         """Indexed tiers: a lookup hit these blocks (least recently used ones are evicted first)."""

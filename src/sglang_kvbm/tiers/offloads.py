@@ -91,7 +91,7 @@ class Offloads:
         ids = request.block_ids
         host, disk = self.host, self.disk
         top = host if host is not None else disk
-        todo = list(compress(range(len(ids)), map(operator.not_, top.held(ids))))
+        todo = top.missing(ids)  # positions not held (nor on their way) where the pages go first
         if todo and host is not None:
             rows, evicted = host.reserve([ids[i] for i in todo])
             self._removed("host", evicted)
@@ -103,7 +103,7 @@ class Offloads:
                 self._submit(_Job(ticket, "host", tuple(map(ids.__getitem__, positions)), tuple(rows), self._generation,
                                   future))
         if todo and disk is not None:
-            todo = list(compress(todo, map(operator.not_, disk.held(list(map(ids.__getitem__, todo))))))
+            todo = list(map(todo.__getitem__, disk.missing(list(map(ids.__getitem__, todo)))))
             reserved, evicted = disk.reserve(list(map(ids.__getitem__, todo)))
             self._removed("disk", evicted)
             if reserved:

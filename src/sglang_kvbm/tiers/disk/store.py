@@ -23,7 +23,6 @@ from typing import Optional, Sequence
 import torch
 
 from sglang_kvbm.core.identity import BlockId
-from sglang_kvbm.core.lifecycle import BlockState
 from sglang_kvbm.core.ports import BlockMeta
 from sglang_kvbm.tiers.disk import directory as identity_dir
 from sglang_kvbm.tiers.disk.block_io import DiskStats, read_blocks, write_blocks
@@ -101,16 +100,17 @@ class DiskStore:
     def holds(self, block_id: BlockId) -> bool:
         return self._index.holds(block_id)
 
-    def held(self, block_ids: Sequence[BlockId]) -> list[bool]:
-        return self._index.held(block_ids)
+    def missing(self, block_ids: Sequence[BlockId]) -> list[int]:
+        """Positions of the blocks neither registered nor being written."""
+        return self._index.missing(block_ids)
+
+    @property
+    def index(self):
+        """The compiled block index (``lookups`` asks it and the host's about a prefix in one call)."""
+        return self._index.index
 
     def registered(self, block_id: BlockId) -> bool:
         return self._index.registered(block_id)
-
-    @property
-    def contains(self):
-        """``registered`` as a C-level callable, for ``map`` over a prefix."""
-        return self._index.contains
 
     def touch(self, block_ids: Sequence[BlockId]) -> None:
         self._index.touch(block_ids)
@@ -139,7 +139,7 @@ class DiskStore:
         return [h.meta() for _, h in good]
 
     def abort(self, reserved: Sequence[Reservation]) -> None:
-        self._index.abort([r.block_id for r in reserved], [r.slot for r in reserved], self.segments.usable)
+        self._index.abort([r.slot for r in reserved])
         for r in reserved:
             self.segments.release(self._holds.pop(r.slot, ()))
 
@@ -170,7 +170,7 @@ class DiskStore:
         for segment in {self.segments.of(s) for s in map(self._index.slot, block_ids) if s is not None}:
             if not self.segments.check(segment):
                 self._retire(segment, reason="file missing or replaced")
-        if not all(map(self._index.registered, block_ids)):
+        if self._index.index.run(block_ids) < len(block_ids):
             return None
         slots = self._index.pin(block_ids)
         entries = [DiskEntry(s, self._index.header(s)) for s in slots]
@@ -188,7 +188,7 @@ class DiskStore:
         self.stats.invalidated[reason] += len(lost)
         self._retired.extend(h.meta() for h in lost)
         if self.segments.retire(segment, reason=reason):
-            self._index.add_free(s for s in seg_slots if self._index.state.state(s) is BlockState.FREE)
+            self._index.add_free(sorted(seg_slots))
 
     def take_retired(self) -> list[BlockMeta]:
         """Blocks lost with retired segments since the last call (for the caller's removal events)."""

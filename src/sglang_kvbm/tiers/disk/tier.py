@@ -104,9 +104,9 @@ class DiskTier:
         return self.store.registered(block_id)
 
     @property
-    def contains(self):
-        """:meth:`holds` as a C-level callable, for ``map`` over a prefix."""
-        return self.store.contains
+    def index(self):
+        """What it registers, compiled: ``lookups`` asks it with host's about a whole prefix in one call."""
+        return self.store.index
 
     def touch(self, block_ids: Sequence[BlockId]) -> None:
         self.store.touch(block_ids)

@@ -131,9 +131,7 @@ class MooncakeTier:
     def drop(self) -> None:
         """Nothing announced to take back: the shared store keeps its objects (a re-key stops reading them)."""
 
-    @property
-    def contains(self):
-        return self.writes.known
+    index = None  # found by reading (``LowerTier.index``)
 
     def touch(self, block_ids: Sequence[BlockId]) -> None:
         """The shared store evicts by its own rules."""

@@ -148,7 +148,7 @@ class G4Writes:
         if self._closed or not metas:
             return
         cutoff = max(self.store.last_fault, time.monotonic() - self.recheck_s)
-        known, pending, registered = self._known.get, self._pending, self._host.contains
+        known, pending, registered = self._known.get, self._pending, self._host.registered
         fresh, recheck = [], []
         for meta in metas:
             block_id = meta.block_id

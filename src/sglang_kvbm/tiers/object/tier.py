@@ -106,9 +106,7 @@ class ObjectTier:
     def holds(self, block_id: BlockId) -> bool:
         return block_id in self._known
 
-    @property
-    def contains(self):
-        return self._known.__contains__
+    index = None  # found by reading (``LowerTier.index``)
 
     def touch(self, block_ids: Sequence[BlockId]) -> None:
         """The bucket keeps what it is given."""
