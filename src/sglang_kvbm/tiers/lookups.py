@@ -50,6 +50,8 @@ class LoadPlan:
 
     @property
     def by_tier(self) -> dict[str, int]:
+        if not self.staged_ids:  # the usual case: host alone
+            return {"host": len(self.host_ids)} if self.host_ids else {}
         counts = collections.Counter(self.staged_from)
         if self.host_ids:
             counts["host"] = len(self.host_ids)
@@ -126,13 +128,15 @@ class TierReads:
                 below = seen
             if self._policy is not None and not self._policy.disk_pays(below * self._layout.page_size):
                 hit, below = host_run, 0
-        found = collections.Counter({"host": hit - below} if hit - below else {})
+        found = {"host": hit - below} if hit - below else {}  # a plain dict: the usual case is host alone
         if below:
             wanted = list(compress(block_ids[:hit], map(operator.not_, host)))
             sources = collections.Counter(map(self._staging.source.get, wanted))  # staged ones: their tier's name
             if sources[None] and self._indexed:  # in an indexed tier, not staged: read now, named after the first tier holding it
-                found[self._indexed[0].name] += sources.pop(None)
-            found.update(sources)
+                name = self._indexed[0].name
+                found[name] = found.get(name, 0) + sources.pop(None)
+            for name, n in sources.items():
+                found[name] = found.get(name, 0) + n
             for tier in self._indexed:
                 tier.touch(block_ids[:hit])
                 self._staging.prefetch(tier, [b for b in wanted if tier.holds(b)], keep=wanted)
@@ -141,11 +145,11 @@ class TierReads:
                 break
             run = self._fetch(tier, block_ids, hit)
             if run:
-                found[tier.name] += run
+                found[tier.name] = found.get(tier.name, 0) + run
                 hit += run
         if self._host is not None:
             self._host.touch(block_ids[:hit])
-        return hit, dict(found)
+        return hit, found
 
     def _fetch(self, tier, block_ids: Sequence[BlockId], hit: int) -> int:
         """How many blocks after ``hit`` a remote tier serves: read into staging now, waited for a bounded time."""

@@ -31,10 +31,26 @@ import torch
 
 
 class _Batch:
+    """One forward's loads: how many layers the loader has recorded so far (in layer order), and their events.
+
+    One condition per batch, not one per layer (a forward of 80 layers made 80 ``threading.Event``\\ s on the
+    scheduler thread); batches are reused once forgotten, CUDA events and all (their copies ended).
+    """
+
+    __slots__ = ("recorded", "events", "error", "cv")
+
     def __init__(self, num_layers: int, cuda: bool) -> None:
-        self.recorded = [threading.Event() for _ in range(num_layers)]
+        self.cv = threading.Condition(threading.Lock())
+        self.recorded = 0
         self.events = [torch.cuda.Event() for _ in range(num_layers)] if cuda else None
         self.error: Optional[BaseException] = None
+
+    def wait(self, layers: int) -> None:
+        """Until the first ``layers`` layers are recorded (or the batch failed)."""
+        if self.recorded >= layers:  # the usual case: no lock
+            return
+        with self.cv:
+            self.cv.wait_for(lambda: self.recorded >= layers)
 
 
 class LayerCounter:
@@ -44,13 +60,15 @@ class LayerCounter:
         self.producer_index = -1
         self.consumer_index = -1
         self._batches: dict[int, _Batch] = {}
+        self._spare: list[_Batch] = []  # forgotten batches, reused
         self._lock = threading.Lock()
 
     def update_producer(self) -> int:
         """A new batch of loads; its index is what the forward consumes (``set_consumer``)."""
         with self._lock:
+            batch = self._spare.pop() if self._spare else _Batch(self.num_layers, self.cuda)
             self.producer_index += 1
-            self._batches[self.producer_index] = _Batch(self.num_layers, self.cuda)
+            self._batches[self.producer_index] = batch
             return self.producer_index
 
     def set_consumer(self, index: int) -> None:
@@ -71,16 +89,20 @@ class LayerCounter:
             return
         if batch.events is not None:
             batch.events[layer].record()
-        batch.recorded[layer].set()
+        with batch.cv:
+            batch.recorded = layer + 1
+            batch.cv.notify_all()
 
     def fail(self, index: int, error: BaseException) -> None:
         """Loader thread: the batch cannot land; layers not recorded yet are released as failed."""
-        batch = self._batch(index)
-        if batch is None:
-            return
-        batch.error = error
-        for flag in batch.recorded:
-            flag.set()
+        with self._lock:  # not forgotten (and reused) under it
+            batch = self._batches.get(index)
+            if batch is None:
+                return
+            with batch.cv:
+                batch.error = error
+                batch.recorded = self.num_layers
+                batch.cv.notify_all()
 
     def wait_until(self, layer: int) -> None:
         """Forward: layer ``layer`` of the consumed batch is readable after this (on the current stream).
@@ -92,7 +114,7 @@ class LayerCounter:
         batch = self._batch(self.consumer_index)
         if batch is None:
             return
-        batch.recorded[layer].wait()
+        batch.wait(layer + 1)
         if batch.events is not None and batch.error is None:
             torch.cuda.current_stream().wait_event(batch.events[layer])
 
@@ -101,8 +123,7 @@ class LayerCounter:
         batch = self._batch(index)
         if batch is None:
             return True
-        for flag in batch.recorded:
-            flag.wait()
+        batch.wait(self.num_layers)
         if batch.events is not None and batch.error is None:
             torch.cuda.current_stream().wait_event(batch.events[-1])  # nothing later on this stream overtakes it
         return batch.error is None
@@ -115,8 +136,12 @@ class LayerCounter:
         return batch.events[-1]
 
     def forget(self, index: int) -> None:
+        """Batch ``index`` is over (its copies ended): its condition and events serve a later batch."""
         with self._lock:
-            self._batches.pop(index, None)
+            batch = self._batches.pop(index, None)
+            if batch is not None:
+                batch.recorded, batch.error = 0, None
+                self._spare.append(batch)
 
     def reset(self) -> None:
         with self._lock:
