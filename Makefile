@@ -15,7 +15,7 @@ DYNAMO_STAMP := $(DYNAMO_VENV)/.installed
 .PHONY: demo test test-fast bench gpu-check native clean system-deps
 # The compiled block index (csrc/, nanobind): `pip install` builds it with the package (scikit-build-core),
 # so a change to it reinstalls the package.
-NATIVE_SOURCES := CMakeLists.txt $(wildcard csrc/*.cpp)
+NATIVE_SOURCES := CMakeLists.txt $(wildcard csrc/*)
 
 $(STAMP): pyproject.toml $(NATIVE_SOURCES)
 	$(PYTHON) -m venv $(VENV)

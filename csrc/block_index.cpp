@@ -21,148 +21,32 @@
 #include <nanobind/nanobind.h>
 
 #include <algorithm>
-#include <cstdint>
-#include <cstring>
 #include <functional>
 #include <stdexcept>
-#include <string>
 #include <vector>
 
-#if defined(__SSE2__) || defined(_M_X64)
-#include <emmintrin.h>
-#endif
-
-namespace nb = nanobind;
+#include "block_ids.h"
+#include "key_table.h"
+#include "py_seq.h"
 
 namespace {
 
+using namespace kvbm;
+
 enum State : uint8_t { FREE = 0, MUTABLE = 1, COMMITTED = 2, REGISTERED = 3 };
 const char *const STATE_NAMES[] = {"FREE", "MUTABLE", "COMMITTED", "REGISTERED"};
-
-struct Key {
-    uint64_t w[4];
-    bool operator==(const Key &o) const { return std::memcmp(w, o.w, sizeof(w)) == 0; }
-};
 
 struct BlockStateError : std::runtime_error {
     using std::runtime_error::runtime_error;
 };
 
-// 64 hex characters -> 32 bytes; false if any character is not hex (either case). SSE2 on x86-64 (16
-// characters a step, ~10 ns an id), the same arithmetic in 64-bit registers elsewhere: per character, its
-// value is its low nibble, plus 9 for a letter (bit 6); it is hex if that value is below 16 and the
-// character it stands for, in lower case, is the character given (letters lowered).
-#if defined(__SSE2__) || defined(_M_X64)
-bool unhex(const uint8_t *s, uint8_t *out) {
-    const __m128i ones = _mm_set1_epi8(1), low = _mm_set1_epi8(0x0F), fifteen = _mm_set1_epi8(15);
-    __m128i bad = _mm_setzero_si128();
-    for (int i = 0; i < 4; ++i) {
-        const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i *>(s + 16 * i));
-        __m128i letter = _mm_and_si128(_mm_srli_epi16(c, 6), ones);
-        __m128i nib = _mm_add_epi8(_mm_and_si128(c, low), _mm_mullo_epi16(letter, _mm_set1_epi16(9)));
-        __m128i ge10 = _mm_cmpgt_epi8(nib, _mm_set1_epi8(9));
-        __m128i canon = _mm_add_epi8(_mm_add_epi8(nib, _mm_set1_epi8(0x30)), _mm_and_si128(ge10, _mm_set1_epi8(0x27)));
-        __m128i lowered = _mm_or_si128(c, _mm_and_si128(_mm_srli_epi16(c, 1), _mm_set1_epi8(0x20)));
-        bad = _mm_or_si128(bad, _mm_cmpgt_epi8(nib, fifteen));
-        bad = _mm_or_si128(bad, _mm_andnot_si128(_mm_cmpeq_epi8(canon, lowered), _mm_set1_epi8(-1)));
-        __m128i pairs = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(nib, _mm_set1_epi16(0x000F)), 4),
-                                     _mm_srli_epi16(nib, 8));
-        _mm_storel_epi64(reinterpret_cast<__m128i *>(out + 8 * i), _mm_packus_epi16(pairs, pairs));
-    }
-    return _mm_movemask_epi8(bad) == 0;
-}
-#else
-bool unhex(const uint8_t *s, uint8_t *out) {
-    constexpr uint64_t ONES = 0x0101010101010101ull;
-    uint64_t bad = 0;
-    for (int i = 0; i < 8; ++i) {
-        uint64_t c;
-        std::memcpy(&c, s + 8 * i, 8);  // little-endian: the first character in the lowest byte
-        uint64_t letter = (c >> 6) & ONES;
-        uint64_t nib = (c & 0x0F * ONES) + letter * 9;  // <= 24 per byte: no carries
-        uint64_t ge10 = ((nib + 0x76 * ONES) >> 7) & ONES;
-        uint64_t canon = nib + 0x30 * ONES + ge10 * 0x27;
-        uint64_t lowered = c | ((c >> 1) & 0x20 * ONES);
-        bad |= ((nib + 0x70 * ONES) & 0x80 * ONES) | (canon ^ lowered);
-        uint64_t pairs = ((nib & 0x000F000F000F000Full) << 4) | ((nib >> 8) & 0x000F000F000F000Full);
-        pairs = (pairs | pairs >> 8) & 0x0000FFFF0000FFFFull;
-        uint32_t four = uint32_t(pairs | pairs >> 16);
-        std::memcpy(out + 4 * i, &four, 4);
-    }
-    return bad == 0;
-}
-#endif
-
-[[noreturn]] void bad_id(PyObject *o) {
-    PyObject *r = PyObject_Repr(o);
-    std::string shown = r ? PyUnicode_AsUTF8(r) : "?";
-    Py_XDECREF(r);
-    if (shown.size() > 80) shown = shown.substr(0, 77) + "...";
-    throw nb::value_error(("a block id is a sha256 digest: 64 hex characters (SGLang's storage hash) or 32 "
-                           "bytes; got " + shown).c_str());
-}
-
-Key parse(PyObject *o) {
-    Key k;
-    uint8_t *out = reinterpret_cast<uint8_t *>(k.w);
-    if (PyUnicode_Check(o)) {
-        if (PyUnicode_GET_LENGTH(o) != 64 || PyUnicode_KIND(o) != PyUnicode_1BYTE_KIND) bad_id(o);
-        if (!unhex(PyUnicode_1BYTE_DATA(o), out)) bad_id(o);
-        return k;
-    }
-    if (PyBytes_Check(o) && PyBytes_GET_SIZE(o) == 32) {
-        std::memcpy(out, PyBytes_AS_STRING(o), 32);
-        return k;
-    }
-    bad_id(o);
-}
-
-// A sequence's items without copying (a list or tuple as is; anything else made a list once).
-struct Items {
-    PyObject *seq;
-    Py_ssize_t n;
-    PyObject **items;
-    explicit Items(nb::handle h) {
-        seq = PySequence_Fast(h.ptr(), "expected a sequence");
-        if (!seq) throw nb::python_error();
-        n = PySequence_Fast_GET_SIZE(seq);
-        items = PySequence_Fast_ITEMS(seq);
-    }
-    ~Items() { Py_DECREF(seq); }
-    Items(const Items &) = delete;
-    Items &operator=(const Items &) = delete;
-};
-
-std::vector<int32_t> ints(nb::handle h, int32_t bound) {
-    Items it(h);
-    std::vector<int32_t> out(it.n);
-    for (Py_ssize_t i = 0; i < it.n; ++i) {
-        long v = PyLong_AsLong(it.items[i]);
-        if (v == -1 && PyErr_Occurred()) throw nb::python_error();
-        if (v < 0 || v >= bound) throw nb::index_error(("slot " + std::to_string(v) + " out of range").c_str());
-        out[i] = int32_t(v);
-    }
-    return out;
-}
-
-nb::list int_list(const int32_t *v, size_t n) {
-    PyObject *l = PyList_New(Py_ssize_t(n));
-    if (!l) throw nb::python_error();
-    for (size_t i = 0; i < n; ++i) PyList_SET_ITEM(l, Py_ssize_t(i), PyLong_FromLong(v[i]));
-    return nb::steal<nb::list>(l);
-}
-
 class BlockIndex {
   public:
     // ``all_free``: every slot usable and free (host rows); else none until ``set_free``/``restore`` (disk).
     BlockIndex(int32_t capacity, bool all_free)
-        : cap_(capacity), keys_(capacity), state_(capacity, FREE), mapped_(capacity, 0), usable_(capacity, all_free),
-          pins_(capacity, 0), orphan_(capacity, 0), prev_(capacity, -1), next_(capacity, -1), payload_(capacity) {
-        if (capacity < 0) throw nb::value_error("capacity must be >= 0");
-        size_t size = 16;
-        while (size < size_t(capacity) * 2) size <<= 1;
-        table_.assign(size, -1);
-        mask_ = size - 1;
+        : cap_(check_capacity(capacity)), keys_(capacity), state_(capacity, FREE), mapped_(capacity, 0),
+          usable_(capacity, all_free), pins_(capacity, 0), orphan_(capacity, 0), payload_(capacity), table_(capacity),
+          lru_(capacity) {
         if (all_free) {
             free_.reserve(capacity);
             for (int32_t s = capacity - 1; s >= 0; --s) free_.push_back(s);  // popped from the end: ascending
@@ -402,10 +286,9 @@ class BlockIndex {
     // Slots being written become orphans of their writer. Returns the slots freed.
     nb::list forget(bool keep_pinned) {
         std::vector<int32_t> freed;
-        for (int32_t s = head_; s >= 0;) {
-            int32_t nx = next_[s];
+        for (int32_t s = lru_.head(); s >= 0;) {
+            int32_t nx = lru_.next(s);
             payload_[s] = nb::object();
-            prev_[s] = next_[s] = -1;
             if (keep_pinned && pins_[s]) {
                 orphan_[s] = pins_[s];
                 ++orphans_;
@@ -422,9 +305,9 @@ class BlockIndex {
                 orphan_[s] = 1;
                 ++orphans_;
             }
-        std::fill(table_.begin(), table_.end(), -1);
+        table_.clear();
+        lru_.clear();
         std::fill(mapped_.begin(), mapped_.end(), 0);
-        head_ = tail_ = -1;
         registered_ = inflight_ = pinned_ = 0;
         return int_list(freed.data(), freed.size());
     }
@@ -450,7 +333,7 @@ class BlockIndex {
     // (slot, payload) of every registered block, least recently used first.
     nb::list items() const {
         nb::list out;
-        for (int32_t s = head_; s >= 0; s = next_[s]) out.append(nb::make_tuple(s, payload(s)));
+        for (int32_t s = lru_.head(); s >= 0; s = lru_.next(s)) out.append(nb::make_tuple(s, payload(s)));
         return out;
     }
 
@@ -494,55 +377,31 @@ class BlockIndex {
     int32_t cap_;
     std::vector<Key> keys_;
     std::vector<uint8_t> state_, mapped_, usable_;
-    std::vector<int32_t> pins_, orphan_, prev_, next_, table_, free_;
+    std::vector<int32_t> pins_, orphan_, free_;
     std::vector<nb::object> payload_;
-    size_t mask_ = 0, registered_ = 0, inflight_ = 0, pinned_ = 0, orphans_ = 0;
-    int32_t head_ = -1, tail_ = -1;  // least / most recently used registered slot
+    KeyTable table_;  // key -> slot, for blocks registered or being written
+    LruLinks lru_;    // registered slots
+    size_t registered_ = 0, inflight_ = 0, pinned_ = 0, orphans_ = 0;
 
-    static size_t hash(const Key &k) { return size_t((k.w[0] ^ k.w[3]) * 0x9E3779B97F4A7C15ull >> 17); }
-
-    int32_t find(const Key &k) const {
-        for (size_t i = hash(k) & mask_;; i = (i + 1) & mask_) {
-            int32_t s = table_[i];
-            if (s < 0) return -1;
-            if (keys_[s] == k) return s;
-        }
+    static int32_t check_capacity(int32_t capacity) {
+        if (capacity < 0) throw nb::value_error("capacity must be >= 0");
+        return capacity;
     }
 
+    int32_t find(const Key &k) const { return table_.find(k, keys_); }
+
     void insert(int32_t s) {
-        size_t i = hash(keys_[s]) & mask_;
-        while (table_[i] >= 0) i = (i + 1) & mask_;
-        table_[i] = s;
+        table_.insert(s, keys_);
         mapped_[s] = 1;
     }
 
     void erase(int32_t s) {
-        size_t i = hash(keys_[s]) & mask_;
-        while (table_[i] != s) i = (i + 1) & mask_;
-        // Backward-shift deletion: move later entries of the probe run into the hole.
-        for (size_t j = (i + 1) & mask_; table_[j] >= 0; j = (j + 1) & mask_) {
-            size_t home = hash(keys_[table_[j]]) & mask_;
-            if (((j - home) & mask_) >= ((j - i) & mask_)) {
-                table_[i] = table_[j];
-                i = j;
-            }
-        }
-        table_[i] = -1;
+        table_.erase(s, keys_);
         mapped_[s] = 0;
     }
 
-    void link_mru(int32_t s) {
-        prev_[s] = tail_;
-        next_[s] = -1;
-        if (tail_ >= 0) next_[tail_] = s; else head_ = s;
-        tail_ = s;
-    }
-
-    void unlink(int32_t s) {
-        if (prev_[s] >= 0) next_[prev_[s]] = next_[s]; else head_ = next_[s];
-        if (next_[s] >= 0) prev_[next_[s]] = prev_[s]; else tail_ = prev_[s];
-        prev_[s] = next_[s] = -1;
-    }
+    void link_mru(int32_t s) { lru_.push_back(s); }
+    void unlink(int32_t s) { lru_.unlink(s); }
 
     void release(int32_t s) {
         state_[s] = FREE;
@@ -575,7 +434,7 @@ class BlockIndex {
     void evict(size_t n, nb::list &out) {
         size_t got = 0, walked = 0;
         while (got < n && pinned_ < registered_ && walked < registered_) {
-            int32_t s = head_;
+            int32_t s = lru_.head();
             if (pins_[s]) {
                 unlink(s);
                 link_mru(s);
@@ -604,17 +463,6 @@ class BlockIndex {
     std::string move_error(int32_t s, State to, State from) const {
         return "slot " + std::to_string(s) + ": cannot go " + (orphan_[s] ? "ORPHANED" : STATE_NAMES[state_[s]]) +
                " -> " + STATE_NAMES[to] + " (only from " + STATE_NAMES[from] + ")";
-    }
-
-    static std::string hex(const Key &k) {
-        static const char *digits = "0123456789abcdef";
-        const uint8_t *b = reinterpret_cast<const uint8_t *>(k.w);
-        std::string out(64, '0');
-        for (int i = 0; i < 32; ++i) {
-            out[2 * i] = digits[b[i] >> 4];
-            out[2 * i + 1] = digits[b[i] & 15];
-        }
-        return out;
     }
 };
 
