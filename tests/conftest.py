@@ -315,8 +315,18 @@ def chain_links(stores) -> list:
     return links
 
 
+@pytest.fixture(scope="session")
+def native_hash_loaded():
+    """SGLang's storage hash is a torch extension each process loads under a file lock shared by every process
+    (``~/.cache/torch_extensions``): load it before a test's clock starts. Under a full parallel run the first
+    copy's ``describe`` waited on that lock past a 60 s bound (test_weight_updates, once in a 44-minute run)."""
+    from sglang.srt.mem_cache.cpp_utils.native_hash import _load_native_hash_module
+
+    _load_native_hash_module()
+
+
 @pytest.fixture
-def stack_factory():
+def stack_factory(native_hash_loaded):
     built = []
 
     def make(**kwargs) -> Stack:
