@@ -71,9 +71,9 @@ gpu-check: native
 
 # The block index in place (src/sglang_kvbm/_blocks*.so), for this source tree on PYTHONPATH without an install.
 native:
-	cmake -S . -B build/native -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$$(command -v $(GPU_PYTHON))" \
+	cmake -S . -B build/native -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$$(command -v $(GPU_PYTHON))" \
 	  -Dnanobind_DIR="$$($(GPU_PYTHON) -m nanobind --cmake_dir)"
-	cmake --build build/native
+	cmake --build build/native --parallel
 	cp build/native/_blocks*.so src/sglang_kvbm/
 
 clean:
