@@ -247,8 +247,10 @@ def test_offers_made_while_g4_is_down_are_written_once_it_is_back(managers, clus
     written = store(manager, bid("x"), page=0, seed=1)
     assert manager.tiers["mooncake"].writes.submitted == 0  # not attempted while down
     cluster.start_master()
-    manager.tiers["mooncake"].store._down_until = 0.0  # as if the retry interval had passed
+    # The lender remounts its memory a moment after the master is back; a write before that fails for want of
+    # space and would wait out the retry interval (60 s here): G4 comes back for this client once it can hold one.
     until(lambda: cluster.capacity() > 0, manager, "the lender's remount")
+    manager.tiers["mooncake"].store._down_until = 0.0  # as if the retry interval had passed
     reader = Reader(cluster, manager.layout)
     until(lambda: reader.get(bid("x")) is not None, manager, "the offer made while down was never written")
     assert torch.equal(reader.get(bid("x")), written)

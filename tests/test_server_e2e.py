@@ -143,17 +143,18 @@ def test_events_cli_prints_decoded_events_and_tier_counts(kvbm_run):
 
 def test_the_forward_waits_per_layer_while_later_layers_are_held_back(kvbm_run):
     """The load of the repeated prompt copies layer 0 at once and holds layer 1 back: the forward
-    computes layer 0, then waits on layer 1 only."""
+    computes layer 0, then waits on layer 1 only, until it has landed.
+
+    Told by the order of the recorded times, not by how long a wait took: on a busy machine the loader
+    may reach layer 0 late (CI once saw 1.2 s), and that says nothing about per-layer waiting."""
     lines = kvbm_run.layers
     copies = {int(layer): float(t) for kind, layer, t, *_ in lines if kind == "copy"}
-    waited: dict[int, float] = {}  # the forward asks once per K and once per V buffer of a layer
-    last_wait_end: dict[int, float] = {}
+    waits: dict[int, list[tuple[float, float]]] = {}  # the forward asks once per K and once per V buffer of a layer
     for kind, layer, *times in lines:
         if kind == "wait":
             start, end = map(float, times)
-            waited[int(layer)] = waited.get(int(layer), 0.0) + end - start
-            last_wait_end[int(layer)] = end
-    assert set(copies) == {0, 1} and set(waited) == {0, 1}, lines
-    assert last_wait_end[0] < copies[1]  # the forward was past layer 0 before layer 1 had landed
-    assert waited[0] < 0.25 * HOLD and waited[1] >= 0.5 * HOLD  # and then waited for layer 1 alone
-    assert last_wait_end[1] >= copies[1]
+            waits.setdefault(int(layer), []).append((start, end))
+    assert set(copies) == {0, 1} and set(waits) == {0, 1}, lines
+    assert max(end for _, end in waits[0]) < copies[1]  # the forward was past layer 0 before layer 1 had landed
+    start, end = min(waits[1])
+    assert start < copies[1] <= end, lines  # and then waited for layer 1 itself, until it landed
