@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml $(NATIVE_SOURCES)
 $(DYNAMO_STAMP): pyproject.toml $(NATIVE_SOURCES)
 	$(PYTHON) -m venv $(DYNAMO_VENV)
 	$(DYNAMO_VENV)/bin/pip install --upgrade pip
-	$(DYNAMO_VENV)/bin/pip install -e '.[dynamo]'
+	$(DYNAMO_VENV)/bin/pip install -e '.[dynamo]' --config-settings=build-dir='build/dynamo-{wheel_tag}'
 	$(DYNAMO_VENV)/bin/pip install --no-deps 'ai-dynamo==1.6.1'
 	touch $(DYNAMO_STAMP)
 
@@ -38,8 +38,11 @@ demo: $(STAMP)
 # would otherwise start the files with the most tests first, and these, one or two tests each, last).
 # Most of a server test's time is waiting (start-up, polling, another process's turn): two overlap
 # well on 2 cores.
+# The two environments install side by side (each its own build directory for the block index): 264 s
+# instead of 489 s one after the other, on a 2-core VM with nothing cached.
 TEST_WORKERS ?= 2
-test: system-deps $(STAMP) $(DYNAMO_STAMP)
+test: system-deps
+	$(MAKE) -j2 --output-sync=target $(STAMP) $(DYNAMO_STAMP)
 	$(VENV)/bin/python -m pytest -q -ra --durations=25 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # Mooncake (the shared tier's tests start a real mooncake_master) needs libibverbs1, over TCP too.
