@@ -2,8 +2,11 @@
 
 Repeated prompts are served from disk with the stock server's exact output;
 faults injected into the cache files on disk turn into recomputation with the
-same exact output; a restart on the same directory serves from disk again, one
-with another page size loads nothing.
+same exact output; a restart on the same directory serves from disk again.
+
+That a server of another identity (another page size, say) loads nothing from the directory and reclaims
+it is told in process, without a third server start: ``test_fingerprint.py`` (the page size and pool
+dtype are in the identity) and ``test_disk_tier.py::test_restart_reuses_blocks_and_another_identity_loads_nothing``.
 """
 
 from __future__ import annotations
@@ -178,10 +181,3 @@ def test_disk_hits_faults_and_restart(model_dir, stock_results, tmp_path):
         assert warm["meta_info"]["cached_tokens_details"].get("storage", 0) > 0, warm["meta_info"]
         assert same_output(warm, stock_results["A2"])
     assert "restored" in (tmp_path / "restart.log").read_text()
-
-    # Another page size is another identity: nothing is loaded, the old directory is reclaimed.
-    with start(model_dir, directory, tmp_path / "page8.log", page_size=8) as server:
-        cold = server.generate(prompts["A"], max_new_tokens=8)
-        assert cold["meta_info"]["cached_tokens"] == 0
-        assert same_output(cold, stock_results["A"])
-    assert "reclaimed" in (tmp_path / "page8.log").read_text()
