@@ -23,8 +23,8 @@ from sglang_kvbm.transfer.lanes import LaneExecutor
 os.environ.setdefault("SGLANG_KVBM_LOAD_WAIT_MS", "30000")
 # Two pytest-xdist workers share this machine's cores, each with servers of several processes: PyTorch's
 # OpenMP threads (one per core in every process, spinning between parallel regions) oversubscribe them. One
-# thread per server process: the same server tests ran 16-19% faster side by side (a 2-core VM, two pairs of
-# runs). It changes no test's subject; what a test compares (kvbm against stock, a hit against a cold run)
+# thread per server process: the same server tests ran 16-17% faster side by side (a 2-core VM, two A/B
+# pairs). It changes no test's subject; what a test compares (kvbm against stock, a hit against a cold run)
 # runs under the same setting.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
