@@ -38,9 +38,9 @@ demo: $(STAMP)
 # would otherwise start the files with the most tests first, and these, one or two tests each, last).
 # Most of a server test's time is waiting (start-up, polling, another process's turn): two overlap
 # well on 2 cores.
+TEST_WORKERS ?= 2
 # The two environments install side by side (each its own build directory for the block index): 264 s
 # instead of 489 s one after the other, on a 2-core VM with nothing cached.
-TEST_WORKERS ?= 2
 test: system-deps
 	$(MAKE) -j2 --output-sync=target $(STAMP) $(DYNAMO_STAMP)
 	$(VENV)/bin/python -m pytest -q -ra --durations=25 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests

@@ -95,10 +95,9 @@ class Observed:
             time.sleep(0.2)
 
 
-def start(model_dir, directory, log, page_size=4, observed=None):
+def start(model_dir, directory, log, observed=None):
     return SglangServer(
         model_dir,
-        page_size=page_size,
         max_total_tokens=1024,
         extra_args=["--radix-cache-backend", "kvbm"] + (observed.args() if observed else []),
         env=disk_env(directory, **(observed.env() if observed else {})),
