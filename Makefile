@@ -4,12 +4,15 @@
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
-# Dynamo (its frontend, KV router, indexer and SGLang worker, ai-dynamo 1.6.1) pins
-# pydantic<=2.13.5 (SGLang brings 2.14): it gets its own environment, with SGLang and this
-# package in it, as Dynamo's workers are their own processes in a deployment too. The tests
-# run from .venv and start Dynamo's processes from .venv-dynamo. What goes in is
-# pyproject.toml's `dynamo` extra; ai-dynamo itself needs --no-deps (see that extra).
+# Dynamo as a Dynamo 1.6.1 user has it: ai-dynamo and its SGLang worker on SGLang 0.5.21 (what
+# `ai-dynamo[sglang]==1.6.1` pins), with every requirement of both as pinned there, in an environment of its
+# own (Dynamo pins pydantic<=2.13.5 too). requirements/dynamo-1.6.1.txt lists them, less the two that cannot
+# install from PyPI: `aisimulate` (ai-dynamo) and the `cuda-tile==1.6.0rc5` pin (sglang; flashinfer brings
+# cuda-tile 1.7.0); ai-dynamo and sglang themselves go in after it with --no-deps. So the tests prove SGLang
+# 0.5.23 in .venv and 0.5.21 in .venv-dynamo, where Dynamo's frontend, router, indexer and SGLang workers run
+# (the tests start them from it) with this package and Mooncake's client beside them.
 DYNAMO_VENV := .venv-dynamo
+DYNAMO_REQUIREMENTS := requirements/dynamo-1.6.1.txt
 DYNAMO_STAMP := $(DYNAMO_VENV)/.installed
 
 .PHONY: demo test test-fast bench gpu-check native clean system-deps
@@ -23,11 +26,12 @@ $(STAMP): pyproject.toml $(NATIVE_SOURCES)
 	$(VENV)/bin/pip install -e '.[test]'
 	touch $(STAMP)
 
-$(DYNAMO_STAMP): pyproject.toml $(NATIVE_SOURCES)
+$(DYNAMO_STAMP): pyproject.toml $(DYNAMO_REQUIREMENTS) $(NATIVE_SOURCES)
 	$(PYTHON) -m venv $(DYNAMO_VENV)
 	$(DYNAMO_VENV)/bin/pip install --upgrade pip
-	$(DYNAMO_VENV)/bin/pip install -e '.[dynamo]' --config-settings=build-dir='build/dynamo-{wheel_tag}'
-	$(DYNAMO_VENV)/bin/pip install --no-deps 'ai-dynamo==1.6.1'
+	$(DYNAMO_VENV)/bin/pip install -r $(DYNAMO_REQUIREMENTS) 'mooncake-transfer-engine-non-cuda==0.3.13.post1'
+	$(DYNAMO_VENV)/bin/pip install --no-deps 'sglang==0.5.21' 'ai-dynamo==1.6.1'
+	$(DYNAMO_VENV)/bin/pip install --no-deps -e . --config-settings=build-dir='build/dynamo-{wheel_tag}'
 	touch $(DYNAMO_STAMP)
 
 demo: $(STAMP)

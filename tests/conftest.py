@@ -235,11 +235,10 @@ def build_stack(
 ) -> Stack:
     """``identity`` names the server the disk tier belongs to; ``config`` sets further KvbmConfig fields."""
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.events import KvEventLoraNames
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
 
     from sglang_kvbm.config import KvbmConfig
+    from sglang_kvbm.integration.sglang.compat import cache_init_params, lora_name_table
     from sglang_kvbm.integration.sglang.custom import build_cache
 
     if pool == "mha":
@@ -253,14 +252,14 @@ def build_stack(
     if gated:
         executor = GatedExecutor()
     writer = GatedLanes() if gated_writer else None
-    params = CacheInitParams(
+    params = cache_init_params(
         disable=False,
         req_to_token_pool=ReqToTokenPool(size=8, max_context_len=4096, device="cpu", enable_memory_saver=False),
         token_to_kv_pool_allocator=allocator,
         page_size=page_size,
         enable_kv_cache_events=events,
         dynamo_kv_event_format=dynamo_format,
-        kv_event_lora_names=lora_names or KvEventLoraNames(),
+        kv_event_lora_names=lora_names or lora_name_table(),
     )
     kvbm_config = KvbmConfig(
         cpu_cache_blocks=host_blocks or None,

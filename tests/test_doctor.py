@@ -125,12 +125,12 @@ def test_no_auto_backend_is_mentioned():
     assert all("auto" not in detail for _, detail in rows({"DYN_KVBM_CPU_CACHE_GB": "1"}).values())
 
 
-@pytest.mark.parametrize("installed", ["0.5.23", "0.5.23.post1", "0.5.30", "0.5.24rc1", "0.5.23+cu130"])
+@pytest.mark.parametrize("installed", ["0.5.21", "0.5.22", "0.5.23", "0.5.23.post1", "0.5.30", "0.5.24rc1", "0.5.23+cu130"])
 def test_supported_sglang_versions(installed):
     check_sglang_version(installed)
 
 
-@pytest.mark.parametrize("installed", ["0.5.22", "0.6.0", "0.6.0rc1", "1.0", "0.4.9"])
+@pytest.mark.parametrize("installed", ["0.5.20", "0.5.20.post1", "0.6.0", "0.6.0rc1", "1.0", "0.4.9"])
 def test_unsupported_sglang_version_names_both_and_the_fix(installed):
     with pytest.raises(ConfigError) as err:
         check_sglang_version(installed)

@@ -5,8 +5,10 @@ This module imports neither SGLang nor torch: the check runs before either is
 loaded, from the version string the package metadata gives. (``pyproject.toml``
 repeats the range in its ``sglang`` extra; keep the two equal.)
 
-Pre-releases inside the range (``0.5.24rc1``) are accepted: the seams this
-library uses appeared in 0.5.23 and hold through 0.5.x; 0.6 (pre-releases
+The external-cache linker seam this library rides appeared in 0.5.21 (what
+Dynamo 1.6.1 pins); what differs between 0.5.21, 0.5.22 and 0.5.23 is found by
+feature detection in ``integration.sglang.compat``, never by comparing versions.
+Pre-releases inside the range (``0.5.24rc1``) are accepted; 0.6 (pre-releases
 included) is refused until verified.
 """
 
@@ -14,11 +16,18 @@ from __future__ import annotations
 
 from sglang_kvbm.config import ConfigError
 
-SUPPORTED_SGLANG = ">=0.5.23,<0.6"
+SUPPORTED_SGLANG = ">=0.5.21,<0.6"
 
 
 def check_sglang_version(installed: str) -> None:
     """Raise :class:`ConfigError` unless ``installed`` (e.g. ``"0.5.23"``) is in :data:`SUPPORTED_SGLANG`."""
+    problem = unsupported_sglang(installed)
+    if problem is not None:
+        raise ConfigError(problem)
+
+
+def unsupported_sglang(installed: str) -> "str | None":
+    """Why ``installed`` cannot run this library (one line: the range and the fix), or None when it can."""
     from packaging.specifiers import SpecifierSet  # a dependency of SGLang (through transformers)
     from packaging.version import InvalidVersion, Version
 
@@ -26,12 +35,9 @@ def check_sglang_version(installed: str) -> None:
     try:
         version = Version(installed)
     except InvalidVersion:
-        raise ConfigError(
-            f"the installed sglang reports version {installed!r}, which is not a version number; sglang-kvbm "
-            f"supports sglang{SUPPORTED_SGLANG}: {fix}"
-        ) from None
+        return (f"the installed sglang reports version {installed!r}, which is not a version number; sglang-kvbm "
+                f"supports sglang{SUPPORTED_SGLANG}: {fix}")
     if not SpecifierSet(SUPPORTED_SGLANG).contains(version, prereleases=True):
-        raise ConfigError(
-            f"sglang {installed} is installed, but sglang-kvbm supports sglang{SUPPORTED_SGLANG}: {fix}, "
-            f"or use an sglang-kvbm release made for sglang {installed}"
-        )
+        return (f"sglang {installed} is installed, but sglang-kvbm supports sglang{SUPPORTED_SGLANG}: {fix}, "
+                f"or use an sglang-kvbm release made for sglang {installed}")
+    return None

@@ -1,7 +1,7 @@
 """Dynamo processes on one machine: which interpreter, which environment, how each is started and stopped.
 
 Every process runs from Dynamo's environment (:func:`dynamo_python`: ``.venv-dynamo``, which
-``make test`` builds: sglang 0.5.23, ai-dynamo 1.6.1 and this package), in its own process
+``make test`` builds: ai-dynamo 1.6.1 with the sglang 0.5.21 it pins, and this package), in its own process
 group, stopped by group id. No etcd or NATS: discovery is a directory shared by every process
 (``DYN_DISCOVERY_BACKEND=file``, ``DYN_FILE_KV``), requests go over TCP and events over ZMQ,
 all on 127.0.0.1. :mod:`sglang_kvbm.testing.dynamo` builds the frontend, workers and router

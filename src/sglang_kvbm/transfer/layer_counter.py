@@ -18,14 +18,17 @@ thread enqueues the copies of layer after layer and, after each, calls
 layer was enqueued, orders the current stream after the last copy, and returns
 whether all of them were; :meth:`LayerCounter.done_event` tells when the copies
 have really ended (the rows they read can be reused then), to be polled, never
-waited on. Imports torch only (no SGLang): the GPU suite runs it on a bare
-machine.
+waited on. Where the engine cannot be told that a batch failed (SGLang 0.5.21:
+the loaded pages are in its tree before the copy), :attr:`LayerCounter.redo` is
+set: the forward's first wait on a failed batch copies the batch again itself,
+from the rows its plans still pin, before it reads a layer. Imports torch only
+(no SGLang): the GPU suite runs it on a bare machine.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -62,6 +65,9 @@ class LayerCounter:
         self._batches: dict[int, _Batch] = {}
         self._spare: list[_Batch] = []  # forgotten batches, reused
         self._lock = threading.Lock()
+        # redo(index): copy batch ``index`` again on this thread (all layers), raising if it cannot; None: a failed
+        # batch is reported by finish() and the engine drops its requests
+        self.redo: Optional[Callable[[int], None]] = None
 
     def update_producer(self) -> int:
         """A new batch of loads; its index is what the forward consumes (``set_consumer``)."""
@@ -115,8 +121,29 @@ class LayerCounter:
         if batch is None:
             return
         batch.wait(layer + 1)
-        if batch.events is not None and batch.error is None:
+        if batch.error is not None and self.redo is not None:
+            self._redo(self.consumer_index, batch)
+        elif batch.events is not None and batch.error is None:
             torch.cuda.current_stream().wait_event(batch.events[layer])
+
+    def _redo(self, index: int, batch: _Batch) -> None:
+        """The engine reads this batch's pages whatever happens: copy them again here (CUDA: on the current stream,
+        which the forward's reads follow), or stop the forward."""
+        try:
+            self.redo(index)
+        except BaseException as exc:
+            raise RuntimeError(
+                "kvbm: a layer-wise load failed, and copying it again from the rows it pinned failed too; this SGLang "
+                "cannot be told that a load failed (its tree holds the pages already), so the forward stops here "
+                "rather than read wrong KV"
+            ) from exc
+        batch.error = None
+        batch.events = None  # landed on the current stream: nothing of the loader's to wait for
+
+    def recorded_all(self, index: int) -> bool:
+        """Whether every layer of batch ``index`` was handed over or failed (no wait)."""
+        batch = self._batch(index)
+        return batch is None or batch.recorded >= self.num_layers
 
     def finish(self, index: int) -> bool:
         """After the forward: wait until every layer was enqueued; True when all of them landed (or will)."""
@@ -124,6 +151,8 @@ class LayerCounter:
         if batch is None:
             return True
         batch.wait(self.num_layers)
+        if batch.error is not None and self.redo is not None:
+            self._redo(index, batch)
         if batch.events is not None and batch.error is None:
             torch.cuda.current_stream().wait_event(batch.events[-1])  # nothing later on this stream overtakes it
         return batch.error is None
@@ -139,7 +168,7 @@ class LayerCounter:
         """Batch ``index`` is over (its copies ended): its condition and events serve a later batch."""
         with self._lock:
             batch = self._batches.pop(index, None)
-            if batch is not None:
+            if batch is not None and (batch.events is not None or not self.cuda):  # a redone batch's events are gone
                 batch.recorded, batch.error = 0, None
                 self._spare.append(batch)
 

@@ -52,6 +52,7 @@ class LayerLoader:
         self._queue: queue.Queue = queue.Queue()
         self._idle = threading.Condition()
         self._busy = 0
+        self._batches: dict[int, list] = {}  # counter index -> its loads, until forgotten (for redo)
         self._thread = threading.Thread(target=self._run, name="kvbm-load", daemon=True)
         self._thread.start()
 
@@ -61,10 +62,22 @@ class LayerLoader:
         A load is ``(plan, device token slots)``, or ``(plan, slots, {sidecar: (plan, its device slots)})``.
         """
         index = self._counter.update_producer()
+        loads = list(loads)
+        self._batches[index] = loads
         with self._idle:
             self._busy += 1
-        self._queue.put((index, list(loads), tuple(ready)))
+        self._queue.put((index, loads, tuple(ready)))
         return index
+
+    def redo(self, index: int) -> None:
+        """Copy batch ``index`` again, every layer, on the calling thread (CUDA: its current stream); its plans
+        still pin the rows it reads (``LayerCounter.redo``)."""
+        for pool_layout, batch in self._copy_batches(self._batches[index], record=False):
+            for layer in range(self._layout.num_layers):
+                copies.load_layer(pool_layout, batch, layer)
+
+    def forget(self, index: int) -> None:
+        self._batches.pop(index, None)
 
     def _run(self) -> None:
         if self._init is not None:
@@ -90,17 +103,7 @@ class LayerLoader:
         started = time.perf_counter()
         layout = self._layout
         with layout.copying(self._stream, ready):
-            pools = [(layout, self._manager, [load[:2] for load in loads])]
-            pools += [(manager.layout, manager, [load[2][name] for load in loads if len(load) > 2 and name in load[2]])
-                      for name, manager in self._sidecars.items()]
-            batches = []
-            for pool_layout, manager, pool_loads in pools:
-                parts = []
-                for plan, slots in pool_loads:
-                    if layout.is_cuda:
-                        slots.record_stream(self._stream)  # made on the scheduler's stream, read on this one
-                    parts += manager.load_parts(plan, pool_layout.pages_of(slots))
-                batches.append((pool_layout, copies.load_batch(pool_layout, parts)))
+            batches = self._copy_batches(loads, record=layout.is_cuda)
             for layer in range(layout.num_layers):
                 if self.before_layer is not None:
                     self.before_layer(index, layer)
@@ -110,6 +113,22 @@ class LayerLoader:
         if not layout.is_cuda:  # on CUDA this is the enqueue time, not the copy's: not a transfer figure
             nbytes = sum(batch.blocks["host"] * pool_layout.page_bytes for pool_layout, batch in batches)
             self._observe("onboard_h2d", nbytes, time.perf_counter() - started)
+
+    def _copy_batches(self, loads, *, record: bool) -> list:
+        """Per pool, what the copies of ``loads`` read and write (``record``: slots are read on this thread's
+        stream)."""
+        pools = [(self._layout, self._manager, [load[:2] for load in loads])]
+        pools += [(manager.layout, manager, [load[2][name] for load in loads if len(load) > 2 and name in load[2]])
+                  for name, manager in self._sidecars.items()]
+        batches = []
+        for pool_layout, manager, pool_loads in pools:
+            parts = []
+            for plan, slots in pool_loads:
+                if record:
+                    slots.record_stream(self._stream)  # made on the scheduler's stream, read on this one
+                parts += manager.load_parts(plan, pool_layout.pages_of(slots))
+            batches.append((pool_layout, copies.load_batch(pool_layout, parts)))
+        return batches
 
     def wait_idle(self, timeout: Optional[float] = None) -> bool:
         """Wait until every queued batch has been handed to the device (reset and close)."""

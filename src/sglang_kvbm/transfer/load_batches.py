@@ -15,6 +15,7 @@ A load goes through three states, all kept here (scheduler thread):
 
 from __future__ import annotations
 
+import collections
 from typing import Optional, Sequence
 
 
@@ -27,6 +28,8 @@ class LoadBatches:
         self._sidecars = sidecars
         self._queued: dict[str, tuple] = {}  # rid -> (plan, device slots[, {sidecar: (plan, slots)}]), next forward
         self._started: dict[int, list] = {}  # counter index -> plans being copied
+        self._rids: dict[int, list[str]] = {}  # counter index -> its requests
+        self._landed: collections.deque[list[str]] = collections.deque()  # finished batches' requests, not popped
         self._landing: list[tuple] = []  # (done event, plans, landed, index): copies enqueued, not ended (CUDA)
 
     def queue(self, rid: str, plan, slots, sidecars: Optional[dict] = None) -> None:
@@ -60,15 +63,30 @@ class LoadBatches:
         """Hand every queued load to the loader as one batch after ``ready``; the counter index, or -1."""
         if not self._queued:
             return -1
-        loads, self._queued = list(self._queued.values()), {}
+        rids, loads, self._queued = list(self._queued), list(self._queued.values()), {}
         index = self._loader.start(loads, ready)
         self._started[index] = [(load[0], load[2] if len(load) > 2 else None) for load in loads]
+        self._rids[index] = rids
         return index
+
+    def landed(self) -> int:
+        """How many started batches are over and not popped: finishes those whose layers were all handed over."""
+        for index in list(self._started):
+            if not self._counter.recorded_all(index):
+                break
+            rids = self._rids.get(index, [])
+            self.finish(index)
+            self._landed.append(rids)
+        return len(self._landed)
+
+    def pop_landed(self) -> list[str]:
+        return self._landed.popleft()
 
     def finish(self, index: int) -> bool:
         """After the forward: every layer handed to the device; True when all of them were."""
         landed = self._counter.finish(index)
         plans = self._started.pop(index, ())
+        self._rids.pop(index, None)
         done = self._counter.done_event(index)
         if done is not None and not done.query():  # rows are let go once the copies that read them end
             self._landing.append((done, plans, landed, index))
@@ -82,6 +100,7 @@ class LoadBatches:
             if sidecars:
                 self._sidecars.release({name: p for name, (p, _) in sidecars.items()}, reused=landed)
         self._counter.forget(index)
+        self._loader.forget(index)
 
     def poll(self, wait: bool = False) -> None:
         """Let go of the rows of loads whose copies ended (each step; ``wait`` when quiescing only)."""
@@ -110,8 +129,12 @@ class LoadBatches:
         for plans in self._started.values():
             for plan, sidecars in plans:
                 self._cancel((plan, None, sidecars) if sidecars else (plan,))
+        for index in self._started:
+            self._loader.forget(index)
         self._queued.clear()
         self._started.clear()
+        self._rids.clear()
+        self._landed.clear()
         self._counter.reset()
 
     def close(self) -> None:

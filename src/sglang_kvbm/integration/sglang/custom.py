@@ -110,10 +110,14 @@ class KvbmCache:
         loaded = 0
         if match.host_hit_length:
             req.last_node = node
-            loaded, _ = tree.init_load_back(
+            if getattr(match, "device_indices", None) is not None:  # SGLang 0.5.21 loads after these
+                req.prefix_indices = match.device_indices
+            loaded, tail_node = tree.init_load_back(
                 InitLoadBackParams(best_match_node=match.best_match_node, host_hit_length=match.host_hit_length, req=req)
             )
-            if loaded:
+            if isinstance(loaded, torch.Tensor):  # SGLang 0.5.21: the tail is in the tree already, loading
+                node, lock, loaded = self._land_inserted(tail_node, node, lock, len(loaded))
+            elif loaded:
                 node, lock, loaded = self._land(req, key, node, lock, device, loaded)
         indices = tree.path_device_indices(node)[: device + loaded]
         return PrefixHit(indices, node, device, loaded, lock)
@@ -133,6 +137,17 @@ class KvbmCache:
         new_lock = tree.inc_lock_ref(new_node).to_dec_params()
         tree.dec_lock_ref(node, lock)
         return new_node, new_lock, loaded
+
+    def _land_inserted(self, tail_node, node, lock, loaded: int):
+        """Wait for a load whose pages the tree holds already (it cannot fail: ``LayerCounter.redo``), and move the
+        lock onto them."""
+        tree = self.tree
+        new_lock = tree.inc_lock_ref(tail_node).to_dec_params()
+        index = tree.ready_to_load_host_cache()
+        self.linker.layer_done_counter.finish(index)
+        tree.check_hicache_events()  # the tree lets go of its own pin on the loaded node
+        tree.dec_lock_ref(node, lock)
+        return tail_node, new_lock, loaded
 
     def release(self, hit: PrefixHit) -> None:
         """The caller no longer reads ``hit.indices``: the prefix may be evicted again."""

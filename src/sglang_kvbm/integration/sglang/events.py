@@ -14,11 +14,11 @@ import operator
 from itertools import chain
 from typing import Sequence
 
-from sglang.srt.disaggregation.kv_events import BlockRemoved, BlockStored, StorageMedium
-from sglang.srt.mem_cache.events import KVCacheEventRecorder
+from sglang.srt.disaggregation.kv_events import BlockRemoved, StorageMedium
 
 from sglang_kvbm.core.ports import BlockMeta
 from sglang_kvbm.core.tiers import Tier
+from sglang_kvbm.integration.sglang.compat import block_stored, event_recorder
 
 _event = operator.attrgetter("event")
 _hash = operator.attrgetter("block_hash")
@@ -42,7 +42,7 @@ class SglangEventSink:
     """:class:`~sglang_kvbm.core.ports.EventSink` onto a queue of SGLang events (disabled: drops everything)."""
 
     def __init__(self, enabled: bool, page_size: int) -> None:
-        self._queue = KVCacheEventRecorder(enabled=enabled, page_size=page_size)
+        self._queue = event_recorder(enabled=enabled, page_size=page_size)
 
     @property
     def enabled(self) -> bool:
@@ -56,7 +56,7 @@ class SglangEventSink:
         if _one_chain(idents):  # a copy's pages: one event for all of them, built in C
             first = idents[0]
             tokens = list(chain.from_iterable(map(_tokens, blocks)))
-            self._queue.enqueue(BlockStored(
+            self._queue.enqueue(block_stored(
                 block_hashes=list(map(_hash, idents)), parent_block_hash=first.parent_block_hash, token_ids=tokens,
                 block_size=len(tokens) // len(blocks), lora_id=None, medium=medium, cache_salt=first.cache_salt,
                 lora_name=first.lora_name))
@@ -68,7 +68,7 @@ class SglangEventSink:
             if ident.bigram:  # as SGLang's recorder publishes EAGLE pages: (token, next token) pairs
                 tokens = list(zip(tokens[:-1], tokens[1:]))
             self._queue.enqueue(
-                BlockStored(
+                block_stored(
                     block_hashes=[ident.block_hash],
                     parent_block_hash=ident.parent_block_hash,
                     token_ids=list(tokens),

@@ -8,6 +8,10 @@ SGLang's default tree (``UnifiedRadixCache``) drives it through
   The wrapper intersects the answer across attention ranks.
 * ``load`` (admission, after slots were allocated): pins every block, or
   refuses (the request recomputes the span); disk bytes are verified first.
+  Where SGLang cannot take a refusal (0.5.21, ``compat``), ``lookup`` pins what
+  it reports instead (``lookup_pins``), a failed copy is copied again before
+  the forward reads it (``LayerCounter.redo``), and finished batches are
+  reported by ``num_completed_loads`` / ``pop_completed_load``.
   Every attention rank answers the same (SGLang requires one branch on all
   ranks): a rank's refusal is reduced across them before ``load`` returns.
   So do pipeline stages, on hits, loads and offloads alike (``ranks.Stages``).
@@ -38,9 +42,11 @@ from sglang_kvbm.core.connector import KvbmConnector
 from sglang_kvbm.core.ports import StoreRequest
 from sglang_kvbm.integration.sglang import hooks
 from sglang_kvbm.integration.sglang.build import build_tiers
+from sglang_kvbm.integration.sglang.compat import event_format, refuse_what_this_sglang_cannot_carry, seam
 from sglang_kvbm.integration.sglang.event_order import EventOrderer
 from sglang_kvbm.integration.sglang.events import SglangEventSink
 from sglang_kvbm.integration.sglang.flags import check_installed_sglang
+from sglang_kvbm.integration.sglang.lookup_pins import LookupPins
 from sglang_kvbm.integration.sglang.page_identity import EventSettings, InsertContext
 from sglang_kvbm.integration.sglang.pool_transfers import (
     kv_transfer,
@@ -66,13 +72,14 @@ class KvbmLinker(UnifiedCacheLinker):
     def __init__(self, server_args, params, *, components=(), extra_config=None, forward_stream=None) -> None:
         check_installed_sglang()
         check_components(components, params)
+        refuse_what_this_sglang_cannot_carry(server_args, params, components)
         self.forward_stream = forward_stream
         self.page_size = params.page_size
         self.setup: LinkerSetup = setup_of(server_args, params, extra_config or {})
         config: KvbmConfig = self.setup.config
         self._events_on = bool(params.enable_kv_cache_events)
         self._event_settings = (
-            EventSettings(params.page_size, params.dynamo_kv_event_format, params.kv_event_lora_names)
+            EventSettings(params.page_size, *event_format(params))
             if self._events_on or config.has_disk
             else None
         )
@@ -104,6 +111,10 @@ class KvbmLinker(UnifiedCacheLinker):
         self.loader = LayerLoader(self.manager, self.layer_done_counter, observe=self.manager.observe,
                                   sidecars=self.sidecars.managers)
         self.loads = LoadBatches(self.connector, self.loader, self.layer_done_counter, self.sidecars)
+        self.pins: Optional[LookupPins] = None
+        if not seam().refusable_loads:  # SGLang cannot take a refused or failed load: see the module's docstring
+            self.pins = LookupPins(self.connector)
+            self.layer_done_counter.redo = self.loader.redo
         self.queries = TierQueries(self.tier_tokens)
         self.cache = None
         self._insert: Optional[tuple] = None  # (key, priority) of the insert in progress
@@ -122,6 +133,8 @@ class KvbmLinker(UnifiedCacheLinker):
     def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
         keys = kv_transfer(transfers).keys or []
         hit = self.connector.lookup(rid, keys)
+        if self.pins is not None:
+            hit = self.pins.pin(rid, keys, hit)
         stages, across = self.setup.stages, self.setup.ranks_agreeing > 1
         if self.sidecars:  # hybrid: only boundaries whose window pages / state the sidecar tiers hold too
             lengths = self.sidecars.restorable(keys, hit, every=across or stages.many) if hit else []
@@ -130,6 +143,9 @@ class KvbmLinker(UnifiedCacheLinker):
 
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
         kv = kv_transfer(transfers)
+        if self.pins is not None:  # pinned by its lookup; every rank pinned at least what the ranks agreed on
+            self.loads.queue(rid, self.pins.take(rid, kv.keys), kv.device_indices)
+            return True
         plan = side = None
         try:
             plan = self.connector.acquire(kv.keys)
@@ -159,6 +175,8 @@ class KvbmLinker(UnifiedCacheLinker):
         # On CUDA the copies wait (on the GPU) for the scheduler's stream, which made the slots, and the forward's,
         # which may still write pages the slots reuse: SGLang's own pair of events (HiCache fences loads alike).
         ready = self.record_offload_ready() if self.layout.is_cuda and self.loads.pending() else ()
+        if self.pins is not None:
+            self.pins.release_all()  # looked up, not admitted: looked up again next round
         return self.loads.start(ready)
 
     def finish_layer_wise_loading(self, counter_index: int) -> bool:
@@ -166,7 +184,30 @@ class KvbmLinker(UnifiedCacheLinker):
         return self.setup.stages.agree(self.loads.finish(counter_index))  # SGLang reduces over attention ranks only
 
     def cancel_queued_load(self, rid: str) -> bool:
+        if self.pins is not None:
+            self.pins.release(rid)
         return self.loads.cancel(rid)
+
+    def num_completed_loads(self) -> int:
+        """SGLang 0.5.21, each step: batches whose layers all landed (their requests' nodes unlock)."""
+        return self.loads.landed()
+
+    def pop_completed_load(self) -> list[str]:
+        return self.loads.pop_landed()
+
+    def record_offload_ready(self) -> list:
+        """CUDA: events after which the scheduler's slots and the forward's writes are ready (SGLang's own where its
+        linker base has them)."""
+        if seam().offload_ready:
+            return super().record_offload_ready()
+        import torch
+
+        events = [torch.cuda.Event()]
+        events[0].record()
+        if self.forward_stream is not None:
+            events.append(torch.cuda.Event())
+            events[1].record(self.forward_stream)
+        return events
 
     def offload(self, transfers: list[PoolTransfer], session_id: Optional[str] = None) -> bool:
         if self._insert is None:
@@ -244,6 +285,8 @@ class KvbmLinker(UnifiedCacheLinker):
     def reset(self) -> None:
         """Quiesce the copies and forget every tier (the tree publishes ``AllBlocksCleared``)."""
         self._quiesce_or_warn("reset")
+        if self.pins is not None:
+            self.pins.release_all()
         self.loads.drop()
         self.connector.reset()
         self.sidecars.reset()

@@ -17,12 +17,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Optional, Sequence
 
-from sglang.srt.mem_cache.events import KVCacheEventRecorder
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.utils import compute_node_event_hash_values, get_storage_hash_str
 
 from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.ports import BlockMeta, EventIdentity
+from sglang_kvbm.integration.sglang.compat import event_lora_name, event_recorder
 
 
 class PageIdentityError(RuntimeError):
@@ -37,10 +37,9 @@ class EventSettings:
         self.dynamo_format = dynamo_format
         self.lora_names = lora_names
 
-    def recorder(self) -> KVCacheEventRecorder:
-        return KVCacheEventRecorder(
-            enabled=True, page_size=self.page_size, dynamo_format=self.dynamo_format, lora_names=self.lora_names
-        )
+    def recorder(self):
+        return event_recorder(enabled=True, page_size=self.page_size, dynamo_format=self.dynamo_format,
+                              lora_names=self.lora_names)
 
 
 class InsertContext:
@@ -114,7 +113,7 @@ class InsertContext:
         for event in recorder.take():
             link = event.parent_block_hash
             for block_hash in event.block_hashes:
-                identities.append(EventIdentity(block_hash, link, event.cache_salt, event.lora_name, self.bigram))
+                identities.append(EventIdentity(block_hash, link, event.cache_salt, event_lora_name(event), self.bigram))
                 link = block_hash
         if len(identities) != count:
             raise PageIdentityError(f"SGLang's recorder described {len(identities)} pages of {count}")

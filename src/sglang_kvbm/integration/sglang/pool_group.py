@@ -31,6 +31,7 @@ from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToToke
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
+from sglang_kvbm.integration.sglang.compat import draft_pools, mtp_draft_mamba_pools, swa_retain_window
 from sglang_kvbm.integration.sglang.kv_pool import UnsupportedPoolError, pool_buffers
 from sglang_kvbm.transfer.kv_layout import PagedKvLayout
 
@@ -91,17 +92,17 @@ def describe_pools(params, components=()) -> PoolGroup:
         num_layers = len(full_ids)
     if ComponentType.SWA in components and not swa_ids:
         raise UnsupportedPoolError(f"the tree keeps sliding-window state but the KV pool is {type(kvcache).__name__}")
-    drafts = tuple(params.sidecar_draft_device_pools) + tuple(params.mtp_draft_device_pools)
+    drafts = draft_pools(params)
     if drafts and swa_ids:
         raise UnsupportedPoolError(
             "--radix-cache-backend kvbm does not store the draft KV of a sliding-window hybrid yet (its draft pools "
             "split into full and sliding-window slots): run speculative decoding without it, or without kvbm"
         )
-    if params.mtp_draft_mamba_pools:
+    if mtp_draft_mamba_pools(params):
         raise UnsupportedPoolError("--radix-cache-backend kvbm does not store MTP draft Mamba states: run without it")
     kv, shape = _kv_layout(full, full_ids, start, num_layers, drafts, page)
     if swa_ids:
-        window = -(-params.swa_retain_window // page)
+        window = -(-swa_retain_window(params) // page)
         swa_parts = pool_buffers(kvcache.swa_kv_pool, page)
         swa = _on_layers(swa_parts, swa_ids, start, num_layers, page)
         sidecars.append(Sidecar(SWA, swa, window))
