@@ -15,7 +15,7 @@ DYNAMO_VENV := .venv-dynamo
 DYNAMO_REQUIREMENTS := requirements/dynamo-1.6.1.txt
 DYNAMO_STAMP := $(DYNAMO_VENV)/.installed
 
-.PHONY: demo test test-fast bench gpu-check native clean system-deps
+.PHONY: demo test test-fast compat bench gpu-check native clean system-deps
 # The compiled block index (csrc/, nanobind): `pip install` builds it with the package (scikit-build-core),
 # so a change to it reinstalls the package.
 NATIVE_SOURCES := CMakeLists.txt $(wildcard csrc/*)
@@ -59,6 +59,28 @@ system-deps:
 	    exit 1; \
 	  fi; }
 
+# The SGLang releases `make test` does not run the whole suite on (CI: 0.5.23 in .venv, Dynamo's workers on 0.5.21
+# in .venv-dynamo): the in-process suite on 0.5.21 (in .venv-dynamo, with the test tools added to it) and on 0.5.22
+# (its own environment: SGLang 0.5.22 with --no-deps, then its requirements less the `cuda-tile` pin PyPI cannot
+# install), and a stock and a kvbm server of each release serving evicted prefixes from host and disk. About 25
+# minutes after the installs; results: README.md, "SGLang releases".
+COMPAT_0522 := .venv-sglang-0.5.22
+$(COMPAT_0522)/.installed: pyproject.toml $(NATIVE_SOURCES)
+	$(PYTHON) -m venv $(COMPAT_0522)
+	$(COMPAT_0522)/bin/pip install --upgrade pip
+	$(COMPAT_0522)/bin/pip install --no-deps 'sglang==0.5.22' packaging
+	$(COMPAT_0522)/bin/python tests/compat/requirements_of.py sglang --without cuda-tile > $(COMPAT_0522)/sglang-requirements.txt
+	$(COMPAT_0522)/bin/pip install -r $(COMPAT_0522)/sglang-requirements.txt 'nixl[cu13]==1.3.2'
+	$(COMPAT_0522)/bin/pip install -e '.[testtools]' --config-settings=build-dir='build/sglang-0.5.22-{wheel_tag}'
+	touch $@
+
+compat: system-deps $(STAMP) $(DYNAMO_STAMP) $(COMPAT_0522)/.installed
+	$(DYNAMO_VENV)/bin/pip install -q -e '.[testtools]' --config-settings=build-dir='build/dynamo-{wheel_tag}'
+	$(DYNAMO_VENV)/bin/python -m pytest -q -ra -m "not server" -n $(TEST_WORKERS) tests
+	$(COMPAT_0522)/bin/python -m pytest -q -ra -m "not server" -n $(TEST_WORKERS) tests
+	KVBM_TEST_RELEASES="$(DYNAMO_VENV)/bin/python $(COMPAT_0522)/bin/python" \
+	  $(VENV)/bin/python -m pytest -q -ra tests/test_server_releases.py
+
 # Without the tests that start real SGLang servers (a few seconds instead of minutes).
 test-fast: system-deps $(STAMP)
 	$(VENV)/bin/python -m pytest -q -ra -m "not server" tests
@@ -84,4 +106,4 @@ native:
 	cp build/native/_blocks*.so src/sglang_kvbm/
 
 clean:
-	rm -rf $(VENV) $(DYNAMO_VENV) demo-out build src/sglang_kvbm/_blocks*.so
+	rm -rf $(VENV) $(DYNAMO_VENV) $(COMPAT_0522) demo-out build src/sglang_kvbm/_blocks*.so

@@ -7,6 +7,7 @@ import os
 import threading
 from array import array
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Optional
 
 import pytest
@@ -15,6 +16,31 @@ import torch
 from sglang_kvbm.tiers import lookups
 from sglang_kvbm.transfer.kv_layout import PagedKvLayout
 from sglang_kvbm.transfer.lanes import LaneExecutor
+
+try:  # what the installed SGLang's seam carries (tests/gpu runs without SGLang)
+    from sglang_kvbm.integration.sglang.compat import seam as _seam
+
+    SEAM = _seam()
+except ImportError:
+    SEAM = None
+LOADS_REFUSABLE = SEAM is None or SEAM.refusable_loads
+# Tests of what a linker does when a load is refused or fails: SGLang 0.5.21 can be told neither (its lookups pin what
+# they report, and a failed copy is copied again before the forward reads it: test_lookup_pins.py).
+needs_refusable_loads = pytest.mark.skipif(
+    not LOADS_REFUSABLE, reason="SGLang 0.5.21 takes no refused or failed load (lookup pins instead)")
+
+
+# SGLang 0.5.21's paged allocator has no CPU path (two Triton kernels, unconditionally): its servers at --page-size > 1
+# load a test-only stand-in (tests/cpu_paged_alloc, never shipped), stock and kvbm servers alike. It patches nothing on
+# a release that has a CPU path.
+CPU_PAGED_ALLOC_ENV = {"PYTHONPATH": str(Path(__file__).parent / "cpu_paged_alloc"), "KVBM_TEST_CPU_PAGED_ALLOC": "1"}
+
+
+def needs(feature: str):
+    """Skip on an SGLang whose seam lacks ``feature`` (a ``compat.Seam`` field), naming the release that has it."""
+    missing = SEAM is not None and not getattr(SEAM, feature)
+    first = SEAM.first_version_with.get(feature, "0.5.23") if SEAM is not None else ""
+    return pytest.mark.skipif(missing, reason=f"this SGLang lacks {feature} (sglang>={first} has it)")
 
 # Every server and worker a test starts inherits this (SglangServer and the Dynamo processes pass the
 # environment on): a disk or G4 hit a test asserts lands however busy the machine is, instead of
@@ -101,6 +127,7 @@ class Stack:
     page_size: int
     size: int
     writer: object = None  # GatedLanes, with gated_writer
+    _loading: dict = dataclasses.field(default_factory=dict)  # rid -> the batch its load started in
 
     @property
     def tree(self):
@@ -195,18 +222,29 @@ class Stack:
         key = RadixKey(array("q", tokens[:usable]), extra_key, cache_salt=cache_salt)
         match = self.tree.match_prefix(MatchPrefixParams(key=key, req=req))
         req.last_node = match.last_device_node
+        if getattr(match, "device_indices", None) is not None:  # SGLang 0.5.21 loads after the request's prefix
+            req.prefix_indices = match.device_indices
         loaded, slots, index = 0, None, -1
         if match.host_hit_length:
             loaded, _ = self.tree.init_load_back(InitLoadBackParams(
                 best_match_node=match.best_match_node, host_hit_length=match.host_hit_length, req=req))
-            if loaded:
+            if isinstance(loaded, torch.Tensor):  # SGLang 0.5.21: the tail's slots, in the tree already
+                slots, loaded = (loaded.clone(), len(loaded)) if len(loaded) else (None, 0)
+            elif loaded:
                 slots = self.tree.linker.private_load_indices[rid].clone()
+            if loaded:
                 index = self.tree.ready_to_load_host_cache()
+                self._loading[rid] = index
         return req, match, loaded, slots, index
 
     def finish(self, req) -> bool:
         """After the forward: wait for the batch's loads; True when they landed."""
-        return not self.tree.finish_external_linker_loads([req])
+        index = self._loading.pop(req.rid, None)
+        if LOADS_REFUSABLE:
+            return not self.tree.finish_external_linker_loads([req])
+        landed = self.cache.linker.layer_done_counter.finish(index) if index is not None else True
+        self.tree.check_hicache_events()  # SGLang 0.5.21 unlocks the loaded node once the tree pops the batch
+        return landed
 
     def read_pages(self, slots) -> list[torch.Tensor]:
         return [self.layout.read_page(p) for p in (slots[:: self.page_size] // self.page_size).tolist()]

@@ -26,6 +26,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackPara
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from conftest import build_stack, make_req
+from sglang_kvbm.integration.sglang.compat import device_prefix_len, path_device_indices
 
 # loads must land whatever the machine is doing (not this file's subject: test_disk_lanes.py tests the budget)
 pytestmark = pytest.mark.usefixtures("loads_wait_for_their_reads")
@@ -116,9 +117,9 @@ class Scenario:
         ids = stack.block_ids(tokens)
         req = make_req(tokens + [1], rid)
         match = tree.match_prefix(MatchPrefixParams(key=key, req=req))
-        device, node = match.device_prefix_len, match.last_device_node
+        device, node = device_prefix_len(match), match.last_device_node
         lock = tree.lock(node)  # the request holds its device prefix
-        prefix = tree.path_device_indices(node)[:device].to(torch.int64)
+        prefix = path_device_indices(tree, node)[:device].to(torch.int64)
         if match.host_hit_length:
             req.last_node = node
             loaded, _ = tree.init_load_back(InitLoadBackParams(

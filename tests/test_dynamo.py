@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-from conftest import LOGPROB_TOLERANCE
+from conftest import CPU_PAGED_ALLOC_ENV, LOGPROB_TOLERANCE
 from sglang_kvbm.testing.dynamo import DynamoFrontend, DynamoWorker, dynamo_python
 from sglang_kvbm.testing.dynamo_router_view import RouterView
 from sglang_kvbm.testing.model import prompt_ids
@@ -58,7 +58,7 @@ class Deployment:
         self.workers = [
             DynamoWorker(discovery, model_dir, served_model_name=MODEL, page_size=PAGE, max_total_tokens=POOL,
                          kvbm_env={**TIER_ENV, "DYN_KVBM_DISK_CACHE_DIR": str(tmp / f"disk{i}")},
-                         log_path=tmp / f"worker{i}.log", label=f"w{i}")
+                         log_path=tmp / f"worker{i}.log", label=f"w{i}", env=CPU_PAGED_ALLOC_ENV)
             for i in (1, 2)
         ]
         self.view = RouterView(discovery, PAGE, log_path=tmp / "router_view.log")

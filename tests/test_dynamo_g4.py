@@ -25,7 +25,7 @@ import pytest
 import requests
 import zmq
 
-from conftest import LOGPROB_TOLERANCE
+from conftest import CPU_PAGED_ALLOC_ENV, LOGPROB_TOLERANCE
 from sglang_kvbm.testing.dynamo import DynamoFrontend, DynamoWorker, dynamo_python
 from sglang_kvbm.testing.model import prompt_ids
 from sglang_kvbm.testing.mooncake import MooncakeCluster
@@ -67,7 +67,8 @@ class Deployment:
         self.frontend = DynamoFrontend(discovery, log_path=tmp / "frontend.log",
                                        extra_args=["--shared-cache-type", "hicache", "--shared-cache-multiplier", "1.0"])
         self.workers = [DynamoWorker(discovery, model_dir, served_model_name=MODEL, page_size=PAGE, max_total_tokens=POOL,
-                                     kvbm_env=env, log_path=tmp / f"worker{i}.log", label=f"w{i}") for i in (1, 2)]
+                                     kvbm_env=env, log_path=tmp / f"worker{i}.log", label=f"w{i}",
+                                     env=CPU_PAGED_ALLOC_ENV) for i in (1, 2)]
 
     def start(self):
         for process in (self.frontend, *self.workers):

@@ -27,6 +27,7 @@ import xxhash
 
 from conftest import build_stack
 from sglang_kvbm.config import ConfigError
+from sglang_kvbm.integration.sglang.compat import device_prefix_len
 from sglang_kvbm.testing.server import free_port
 from sglang_kvbm.tiers.disk.format import MAGIC as HEADER_MAGIC
 from sglang_kvbm.tiers.disk.setup import probe
@@ -128,7 +129,7 @@ def test_cache_salt_never_shares_blocks_in_any_tier(stack_factory, tmp_path, nam
         tiers = stack.linker.tier_tokens(tokens, **other)
         assert (tiers.device, tiers.host, tiers.disk) == (0, 0, 0), (other, tiers)
         req, match, loaded, _, _ = stack.admit(tokens + [1], f"r-{other}", **other)
-        assert (match.device_prefix_len, match.host_hit_length, loaded) == (0, 0, 0), other
+        assert (device_prefix_len(match), match.host_hit_length, loaded) == (0, 0, 0), other
     tiers = stack.linker.tier_tokens(tokens, **tenant)
     assert tiers.disk == 32 and 0 < tiers.host <= 16, tiers  # 4 host blocks: the rest only on disk
     req, match, loaded, slots, _ = stack.admit(tokens + [1], "owner", **tenant)

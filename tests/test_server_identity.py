@@ -69,7 +69,10 @@ def other(value):
     return "other"
 
 
-@pytest.mark.parametrize("field", sorted(KV_BYTES - MODEL_ROWS))
+INSTALLED = frozenset(ServerArgs.__struct_fields__)  # the table is the union of the supported releases' fields
+
+
+@pytest.mark.parametrize("field", sorted((KV_BYTES - MODEL_ROWS) & INSTALLED))
 def test_every_argument_that_changes_kv_bytes_changes_the_identity(model, field):
     args = ServerArgs(model_path=str(model))
     before = identity(args)
@@ -77,7 +80,7 @@ def test_every_argument_that_changes_kv_bytes_changes_the_identity(model, field)
     assert identity(args) != before, f"--{field.replace('_', '-')} changes KV bytes but not the identity"
 
 
-@pytest.mark.parametrize("field", sorted(NAMESPACE | NEITHER))
+@pytest.mark.parametrize("field", sorted((NAMESPACE | NEITHER) & INSTALLED))
 def test_arguments_that_do_not_change_kv_bytes_leave_the_identity(model, field):
     args = ServerArgs(model_path=str(model))
     before = identity(args)
@@ -88,7 +91,7 @@ def test_arguments_that_do_not_change_kv_bytes_leave_the_identity(model, field):
     assert identity(args) == before
 
 
-@pytest.mark.parametrize("field", sorted(KV_FILES - MODEL_ROWS))
+@pytest.mark.parametrize("field", sorted((KV_FILES - MODEL_ROWS) & INSTALLED))
 def test_every_file_an_argument_names_counts_by_content(model, tmp_path, field):
     """Rewritten in place (same size, mtime restored): another identity. Moved and touched: the same."""
     scales = tmp_path / "files" / "scales.json"
@@ -191,3 +194,28 @@ def test_model_override_args_key_order_does_not_matter(model):
                                json_model_override_args='{"rope_scaling": {"factor": 2.0, "type": "linear"}}'))
     assert rope != plain and rope == same
     assert identity(ServerArgs(model_path=str(model), json_model_override_args="{}")) == plain
+
+
+def test_a_field_this_release_lacks_is_absent_from_the_identity_not_defaulted(model):
+    """The table holds every supported release's fields; a server reads only those its ServerArgs has."""
+    from sglang_kvbm.integration.sglang.server_args_table import KV_BYTES as TABLE_KV_BYTES
+    from sglang_kvbm.integration.sglang.server_args_table import KV_FILES as TABLE_KV_FILES
+    from sglang_kvbm.integration.sglang.server_identity import kv_settings
+
+    settings = kv_settings(ServerArgs(model_path=str(model)))
+    assert not (TABLE_KV_BYTES - INSTALLED) & set(settings)
+    plain = types.SimpleNamespace(model_path=str(model), kv_cache_dtype="fp8_e4m3")  # a custom server's own record
+    assert (TABLE_KV_BYTES | TABLE_KV_FILES) & set(kv_settings(plain)) == {"kv_cache_dtype", "load_format",
+                                                                           "json_model_override_args"}  # fingerprint
+
+
+def test_the_sglang_release_is_in_the_identity(model, monkeypatch):
+    from importlib import metadata
+
+    from sglang_kvbm.integration.sglang import server_identity
+
+    args = ServerArgs(model_path=str(model))
+    before = identity(args)
+    installed = metadata.version("sglang")
+    monkeypatch.setattr(server_identity, "_release", lambda: installed + ".post1")
+    assert identity(args) != before

@@ -31,6 +31,7 @@ from sglang.srt.server_args import ServerArgs
 
 from sglang_kvbm.config import KvbmConfig
 from sglang_kvbm.integration.sglang.build import Identity
+from sglang_kvbm.integration.sglang.compat import device_prefix_len, path_device_indices
 
 _rids = itertools.count()
 _gen = torch.Generator().manual_seed(0)
@@ -211,10 +212,10 @@ def admit(h: Hybrid, tokens: list[int], *, compute: bool = True, timings: Option
     key = RadixKey(array("q", tokens[:usable]))
     with clock("match"):
         match = cache.match_prefix(MatchPrefixParams(key=key, req=req))
-    req.prefix_len, req.last_node = match.device_prefix_len, match.last_device_node
+    req.prefix_len, req.last_node = device_prefix_len(match), match.last_device_node
     req.host_hit_length = match.host_hit_length
     req.swa_host_hit_length, req.mamba_host_hit_length = match.swa_host_hit_length, match.mamba_host_hit_length
-    device = match.device_prefix_len
+    device = device_prefix_len(match)
     lock = cache.inc_lock_ref(match.last_device_node).to_dec_params()
     loaded, loaded_slots, failed = 0, None, []
     if match.host_hit_length > 0:
@@ -233,7 +234,7 @@ def admit(h: Hybrid, tokens: list[int], *, compute: bool = True, timings: Option
     if failed or not compute:
         cache.dec_lock_ref(match.last_device_node, lock)
         return result
-    path = cache.path_device_indices(match.last_device_node)[:device].to(torch.int64)
+    path = path_device_indices(cache, match.last_device_node)[:device].to(torch.int64)
     prefix = torch.cat([path, loaded_slots.to(torch.int64)]) if loaded else path
     new = _alloc(h, usable - len(prefix)).to(torch.int64) if usable > len(prefix) else torch.empty(0, dtype=torch.int64)
     if new.numel():

@@ -164,11 +164,14 @@ class SglangServer:
         env: Optional[Mapping[str, str]] = None,
         log_path: Optional[str | Path] = None,
         port: Optional[int] = None,
+        python: Optional[str | Path] = None,
     ) -> None:
+        """``python``: the interpreter of the environment to serve from (another SGLang release's; default this
+        one)."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [
-            sys.executable, "-m", "sglang.launch_server",
+            str(python or sys.executable), "-m", "sglang.launch_server",
             "--model-path", str(model_dir),
             *CPU_ARGS,
             "--port", str(self.port),

@@ -40,7 +40,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +153,22 @@ def event_lora_name(event) -> Optional[str]:
     return getattr(event, "lora_name", None)
 
 
+# -- CUDA -----------------------------------------------------------------------------------------------------
+
+
+def offload_ready_events(forward_stream) -> list:
+    """What 0.5.23's ``UnifiedCacheLinker.record_offload_ready`` records, for releases whose base lacks it: an event
+    on the current (scheduler's) stream, and one on the forward's stream, which may still write the pages."""
+    import torch
+
+    events = [torch.cuda.Event()]
+    events[0].record()
+    if forward_stream is not None:
+        events.append(torch.cuda.Event())
+        events[1].record(forward_stream)
+    return events
+
+
 # -- refusals ------------------------------------------------------------------------------------------------
 
 
@@ -202,3 +221,16 @@ def cache_init_params(**fields):
             raise TypeError(f"this SGLang's CacheInitParams has no {name!r} (set to {fields[name]!r})")
         del fields[name]
     return CacheInitParams(**fields)
+
+
+def device_prefix_len(match) -> int:
+    """Tokens of a ``MatchResult`` found in the device pool (0.5.21 gives their indices only)."""
+    length = getattr(match, "device_prefix_len", None)
+    return int(length) if length is not None else int(match.device_indices.numel())
+
+
+def path_device_indices(tree, node) -> "torch.Tensor":
+    """Device token slots from the root of ``tree`` (a ``UnifiedRadixCache``) to ``node``, in order."""
+    if hasattr(tree, "path_device_indices"):
+        return tree.path_device_indices(node)
+    return tree.tree_core.collect_full_device_indices(node, tree.tree_core.root_node_handle())

@@ -28,6 +28,7 @@ from sglang.srt.sampling.sampling_params import SamplingParams
 
 from sglang_kvbm.config import KvbmConfig
 from sglang_kvbm.integration.sglang.build import Identity
+from sglang_kvbm.integration.sglang.compat import device_prefix_len, path_device_indices
 from sglang_kvbm.integration.sglang.linker import KvbmLinker
 from sglang_kvbm.integration.sglang.tier_query import TierTokens
 
@@ -105,7 +106,7 @@ class KvbmCache:
         req = Req(f"kvbm-prefix-{next(_ids)}", "", tokens, SamplingParams(max_new_tokens=1),
                   extra_key=extra_key, cache_salt=cache_salt)
         match = tree.match_prefix(MatchPrefixParams(key=key, req=req))
-        node, device = match.last_device_node, match.device_prefix_len
+        node, device = match.last_device_node, device_prefix_len(match)
         lock = tree.inc_lock_ref(node).to_dec_params()  # held across the load: evictions cannot take it
         loaded = 0
         if match.host_hit_length:
@@ -119,7 +120,7 @@ class KvbmCache:
                 node, lock, loaded = self._land_inserted(tail_node, node, lock, len(loaded))
             elif loaded:
                 node, lock, loaded = self._land(req, key, node, lock, device, loaded)
-        indices = tree.path_device_indices(node)[: device + loaded]
+        indices = path_device_indices(tree, node)[: device + loaded]
         return PrefixHit(indices, node, device, loaded, lock)
 
     def _land(self, req, key: RadixKey, node, lock, device: int, loaded: int):
@@ -130,7 +131,7 @@ class KvbmCache:
         if tree.finish_external_linker_loads([req]):  # the load failed: recompute
             tree.token_to_kv_pool_allocator.free(slots)
             return node, lock, 0
-        values = torch.cat([tree.path_device_indices(node)[:device].to(torch.int64), slots.to(torch.int64)])
+        values = torch.cat([path_device_indices(tree, node)[:device].to(torch.int64), slots.to(torch.int64)])
         # Pages another insert added meanwhile are duplicates: the tree frees those of ours itself.
         result = tree.insert(InsertParams(key=key[: device + loaded], value=values, prev_prefix_len=device))
         new_node = result.last_device_node

@@ -16,12 +16,13 @@ from __future__ import annotations
 def build_tree(ctx):
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+    from sglang.srt.runtime_context import get_memory
 
     from sglang_kvbm.config import ConfigError
     from sglang_kvbm.integration.sglang.linker import KvbmLinker
 
     server_args, params = ctx.server_args, ctx.params
-    if not getattr(server_args, "enable_unified_cache_external_linker", False):
+    if not get_memory().enable_unified_cache_external_linker:  # the resolved value, as SGLang's own factory reads it
         raise ConfigError(
             "--radix-cache-backend kvbm reached the scheduler without --enable-unified-cache-external-linker: the "
             "launcher did not load the kvbm plugin (is SGLANG_PLUGINS set without 'kvbm'?). Load it, or add "

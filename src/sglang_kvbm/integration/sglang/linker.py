@@ -42,7 +42,13 @@ from sglang_kvbm.core.connector import KvbmConnector
 from sglang_kvbm.core.ports import StoreRequest
 from sglang_kvbm.integration.sglang import hooks
 from sglang_kvbm.integration.sglang.build import build_tiers
-from sglang_kvbm.integration.sglang.compat import event_format, refuse_what_this_sglang_cannot_carry, seam
+from sglang_kvbm.integration.sglang.cache_wrappers import wrap_cache
+from sglang_kvbm.integration.sglang.compat import (
+    event_format,
+    offload_ready_events,
+    refuse_what_this_sglang_cannot_carry,
+    seam,
+)
 from sglang_kvbm.integration.sglang.event_order import EventOrderer
 from sglang_kvbm.integration.sglang.events import SglangEventSink
 from sglang_kvbm.integration.sglang.flags import check_installed_sglang
@@ -198,16 +204,7 @@ class KvbmLinker(UnifiedCacheLinker):
     def record_offload_ready(self) -> list:
         """CUDA: events after which the scheduler's slots and the forward's writes are ready (SGLang's own where its
         linker base has them)."""
-        if seam().offload_ready:
-            return super().record_offload_ready()
-        import torch
-
-        events = [torch.cuda.Event()]
-        events[0].record()
-        if self.forward_stream is not None:
-            events.append(torch.cuda.Event())
-            events[1].record(self.forward_stream)
-        return events
+        return super().record_offload_ready() if seam().offload_ready else offload_ready_events(self.forward_stream)
 
     def offload(self, transfers: list[PoolTransfer], session_id: Optional[str] = None) -> bool:
         if self._insert is None:
@@ -306,40 +303,9 @@ class KvbmLinker(UnifiedCacheLinker):
     # -- what the hooks give (see ``hooks``) -------------------------------------------
 
     def attach_kvbm(self, cache) -> None:
-        """Wrap this cache instance's ``insert``, ``init_load_back`` and ``take_events`` (nothing else)."""
+        """Wrap this cache instance's ``insert``, ``init_load_back`` and ``take_events`` (``cache_wrappers``)."""
         self.cache = cache
-        insert, init_load_back, take_events = cache.insert, cache.init_load_back, cache.take_events
-
-        @functools.wraps(insert)
-        def insert_with_key(params):
-            self._insert = (params.key, params.priority or 0) if params.key is not None else None
-            try:
-                return insert(params)
-            finally:
-                self._insert = None
-
-        @functools.wraps(init_load_back)
-        def init_load_back_reporting_disk(params):
-            result = init_load_back(params)
-            req = params.req
-            plan = self.loads.queued_plan(req.rid) if req is not None else None
-            if plan is not None and plan.staged_blocks:
-                # Report what came from below host as SGLang reports L3 hits (cached_tokens_details["storage"]).
-                req.storage_hit_length = plan.staged_blocks * self.page_size
-                req.storage_hit_start = None
-            return result
-
-        @functools.wraps(take_events)
-        def take_all_events():
-            events = take_events()
-            if not self._events_on:  # the step's check_hicache_events polled the copies already
-                return events
-            self.connector.poll()  # copies that landed during the step publish with it
-            return self.orderer.order(events + self.sink.take())
-
-        cache.insert = insert_with_key
-        cache.init_load_back = init_load_back_reporting_disk
-        cache.take_events = take_all_events
+        wrap_cache(self, cache)
 
     # -- the truth about this worker's tiers ----------------------------------------------
 

@@ -1,7 +1,9 @@
 """Every field of SGLang's ``ServerArgs``, classified by what it does to a block's identity.
 
 Four disjoint sets; together they name every field of ``ServerArgs`` (a ``msgspec.Struct``:
-``ServerArgs.__struct_fields__``) of the SGLang version in :data:`SGLANG_VERSION`:
+``ServerArgs.__struct_fields__``) of every SGLang release in :data:`SGLANG_VERSIONS` (the union: a
+field one release lacks is in :data:`ABSENT_IN` for it, and absent from its servers' identity,
+never defaulted into it):
 
 * :data:`KV_BYTES`: the value changes the bytes a page of some pool holds for the same token ids
   (full/SWA KV, Mamba/SSM state, indexer cache, a draft model's KV), or which shard of heads,
@@ -31,14 +33,38 @@ page bytes) is recorded from the pool by the fingerprint, whatever flag chose it
 
 On an SGLang upgrade: install it, run ``pytest tests/test_server_args_table.py``; it lists the
 fields this table lacks and those SGLang dropped. Classify each new field here (read its help text
-and its uses as above), delete dropped ones, then set :data:`SGLANG_VERSION`. Re-read the help text
+and its uses as above), note dropped ones in :data:`ABSENT_IN` (delete them once no supported release has them), then add the
+release to :data:`SGLANG_VERSIONS`. Re-read the help text
 of fields already in KV_BYTES/KV_FILES whose meaning may have moved (``git diff`` of
 ``arg_groups/fields/``). This module imports nothing from SGLang: it is plain data.
 """
 
 from __future__ import annotations
 
-SGLANG_VERSION = "0.5.23"  # the ServerArgs this table was checked against (546 fields)
+SGLANG_VERSIONS = ("0.5.21", "0.5.22", "0.5.23")  # the releases whose ServerArgs this table was checked against
+
+# The table's fields a release's ServerArgs does not have (0.5.21: 519 fields, 0.5.22: 536, 0.5.23: 546).
+ABSENT_IN: dict[str, frozenset[str]] = {
+    "0.5.21": frozenset({
+        "attn_dp_size", "aux_hidden_state_capture", "disaggregation_decode_allocation_policy", "dsa_triton_union",
+        "enable_amd_monokernel", "enable_cp_tp_group_sharing", "enable_dsa_fused_indexer",
+        "enable_http_worker_reuseport", "enable_kv_cache_sharding", "enable_megamoe_for_layernorm_sp",
+        "enable_nvidia_megakernel", "enable_paged_experts", "enable_return_aux_hidden_states", "enable_watermark",
+        "paged_experts_num_resident", "prefill_decode_interval_min_bs", "qsa_indexer_dtype",
+        "return_aux_hidden_state_layer_ids", "speculative_enable_w4a4_mxfp4_megamoe",
+        "speculative_use_block_verification", "unified_cache_external_linker_config", "watermark_config",
+        "watermark_context_window", "watermark_default_enabled", "watermark_enforce_all", "watermark_key",
+        "watermark_key_b", "watermark_max_probability", "watermark_mixing_probability",
+    }),
+    "0.5.22": frozenset({
+        "aux_hidden_state_capture", "cuda_graph_tc_compiler", "enable_amd_monokernel",
+        "enable_http_worker_reuseport", "enable_megamoe_for_layernorm_sp", "enable_nvidia_megakernel",
+        "enable_paged_experts", "enable_return_aux_hidden_states", "paged_experts_num_resident",
+        "prefill_decode_interval_min_bs", "return_aux_hidden_state_layer_ids",
+        "unified_cache_external_linker_config",
+    }),
+    "0.5.23": frozenset({"cuda_graph_tc_compiler", "speculative_skip_dp_mlp_sync"}),
+}
 
 KV_BYTES: frozenset[str] = frozenset({
     # Weights and model config: which weights, at which precision, read through which config.
@@ -134,6 +160,9 @@ NAMESPACE: frozenset[str] = frozenset({
 })
 
 NEITHER: frozenset[str] = frozenset({
+    # Older releases only: torch.compile's backend for captured graphs (0.5.21; a kernel choice), skipping the DP
+    # MLP sync of speculative steps (0.5.21, 0.5.22; scheduling).
+    "cuda_graph_tc_compiler", "speculative_skip_dp_mlp_sync",
     # Tokenizer and detokenizer processes: change token ids at most, and ids name blocks (no wrong KV).
     "tokenizer_mode", "tokenizer_backend", "tokenizer_worker_num", "detokenizer_worker_num", "skip_tokenizer_init",
     "enable_dynamic_batch_tokenizer", "dynamic_batch_tokenizer_batch_size", "dynamic_batch_tokenizer_batch_timeout",

@@ -31,14 +31,25 @@ _BY_FINGERPRINT = frozenset(("model_path", "revision", "load_format", "json_mode
 
 
 def kv_settings(server_args: Any, cache: Optional[DigestCache] = None) -> dict:
-    """``{field: value}`` for every argument that changes KV bytes (None: unset), files by their content."""
+    """``{field: value}`` for every argument that changes KV bytes (None: unset), files by their content, and the
+    SGLang release that computes the bytes.
+
+    A field this release's ``ServerArgs`` lacks is left out, not read as None: it is absent, as on the release
+    (``server_args_table.ABSENT_IN``). The release itself is in: the same prompt's KV from another release's
+    kernels and torch is not shown to be the same bytes (a rolling upgrade starts its lower tiers cold).
+    """
     cache = cache or DigestCache()
-    settings: dict = {}
+    settings: dict = {"sglang": _release()}
+    fields = getattr(type(server_args), "__struct_fields__", None)
+    has = (lambda name: name in fields) if fields is not None else (lambda name: hasattr(server_args, name))
     for name in sorted(KV_BYTES - _BY_FINGERPRINT):
-        settings[name] = _plain(getattr(server_args, name, None))
+        if has(name):
+            settings[name] = _plain(getattr(server_args, name))
     model_path = str(getattr(server_args, "model_path", "") or "")
     download_dir = getattr(server_args, "download_dir", None)
     for name in sorted(KV_FILES - _BY_FINGERPRINT):
+        if not has(name):
+            continue
         value = getattr(server_args, name, None)
         if name == "tokenizer_path" and str(value or "") in ("", model_path):
             continue  # the model's own tokenizer files are in the model's content
@@ -47,6 +58,15 @@ def kv_settings(server_args: Any, cache: Optional[DigestCache] = None) -> dict:
                                     getattr(server_args, "json_model_override_args", None),
                                     device=str(getattr(server_args, "device", None) or "")))
     return settings
+
+
+def _release() -> Optional[str]:
+    from importlib import metadata
+
+    try:
+        return metadata.version("sglang")
+    except metadata.PackageNotFoundError:  # a custom server without SGLang's package
+        return None
 
 
 def files_content(value: Any, *, download_dir: Optional[str] = None, cache: Optional[DigestCache] = None

@@ -45,9 +45,22 @@ def layout(g4: Any, *, page_size: int, tp_size: int, pp_size: int, mla: bool) ->
 
 
 def advertise(described: dict) -> None:
-    """Make this process's scheduler report ``described`` as its L3 layout (SGLang's HiCache being off)."""
+    """Make this process's scheduler report ``described`` as its L3 layout (SGLang's HiCache being off).
+
+    SGLang 0.5.21 and 0.5.22 report no L3 layout at all: there their scheduler's start-up info (what
+    ``get_init_info`` hands the launcher, and Dynamo's worker reads) gets the same key, with this description.
+    """
     from sglang.srt.managers.scheduler import Scheduler
 
+    if not hasattr(Scheduler, "_hicache_l3_layout"):
+        info = getattr(Scheduler.get_init_info, "__wrapped__", Scheduler.get_init_info)
+
+        def get_init_info(self) -> dict:
+            return {**info(self), "hicache_object_layout": described}
+
+        get_init_info.__wrapped__ = info
+        Scheduler.get_init_info = get_init_info
+        return
     original = getattr(Scheduler._hicache_l3_layout, "__wrapped__", Scheduler._hicache_l3_layout)
 
     def _hicache_l3_layout(self) -> dict:
