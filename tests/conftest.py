@@ -30,6 +30,25 @@ needs_refusable_loads = pytest.mark.skipif(
     not LOADS_REFUSABLE, reason="SGLang 0.5.21 takes no refused or failed load (lookup pins instead)")
 
 
+def _nixl_version():
+    from importlib import metadata
+
+    from packaging.version import Version
+
+    try:
+        return Version(metadata.version("nixl"))
+    except metadata.PackageNotFoundError:
+        return None
+
+
+# NIXL 1.5 (what ai-dynamo[sglang]==1.6.1 pins; .venv has 1.3.2, what kvbm==1.6.1 pins) reports a short read and an
+# EIO below the filesystem as failed transfers itself, and its OBJ backend's writes to moto's S3 emulator never
+# finish here (not investigated; make compat runs it): tests of NIXL 1.3.2's behaviour say so.
+NIXL_VERSION = _nixl_version()
+NIXL_1_5 = NIXL_VERSION is not None and NIXL_VERSION.release[:2] >= (1, 5)
+needs_nixl_1_3 = pytest.mark.skipif(NIXL_1_5, reason=f"NIXL {NIXL_VERSION} behaves otherwise (conftest.NIXL_1_5)")
+
+
 # SGLang 0.5.21's paged allocator has no CPU path (two Triton kernels, unconditionally): its servers at --page-size > 1
 # load a test-only stand-in (tests/cpu_paged_alloc, never shipped), stock and kvbm servers alike. It patches nothing on
 # a release that has a CPU path.

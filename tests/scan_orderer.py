@@ -8,6 +8,8 @@ from typing import Iterable, Optional
 
 from sglang.srt.disaggregation.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
+from sglang_kvbm.integration.sglang.compat import block_stored, event_lora_name
+
 logger = logging.getLogger(__name__)
 
 
@@ -125,7 +127,7 @@ def _medium(event) -> str:
 
 def _prefix(event: BlockStored, blocks: int) -> BlockStored:
     size = event.block_size
-    return BlockStored(
+    return block_stored(
         block_hashes=event.block_hashes[:blocks],
         parent_block_hash=event.parent_block_hash,
         token_ids=event.token_ids[: blocks * size],
@@ -134,5 +136,5 @@ def _prefix(event: BlockStored, blocks: int) -> BlockStored:
         medium=event.medium,
         cache_salt=event.cache_salt,
         session_id=event.session_id,
-        lora_name=event.lora_name,
+        lora_name=event_lora_name(event),
     )

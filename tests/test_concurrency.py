@@ -25,7 +25,7 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from conftest import build_stack, make_req
+from conftest import build_stack, make_req, needs_refusable_loads
 from sglang_kvbm.integration.sglang.compat import device_prefix_len, path_device_indices
 
 # loads must land whatever the machine is doing (not this file's subject: test_disk_lanes.py tests the budget)
@@ -172,6 +172,7 @@ class Scenario:
         assert self.stack.host_blocks() == 0
 
 
+@needs_refusable_loads  # the scheduler's 0.5.22-on flow (tree.lock, refusals); 0.5.21's: test_lookup_pins.py
 @pytest.mark.parametrize("seed", [11, 12])
 @pytest.mark.parametrize("tiers", ["host", "host+disk"])
 def test_copies_never_race_page_reuse_or_reset(tmp_path, tiers, seed):

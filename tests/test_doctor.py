@@ -30,7 +30,9 @@ def rows(env, **kwargs):
 def test_good_setup_is_ready(tmp_path):
     run = doctor({"DYN_KVBM_CPU_CACHE_GB": "1", "DYN_KVBM_DISK_CACHE_GB": "0.5", "DYN_KVBM_DISK_CACHE_DIR": str(tmp_path)})
     assert run.returncode == 0, run.stdout
-    assert "sglang" in run.stdout and "0.5.23" in run.stdout
+    from importlib.metadata import version
+
+    assert "sglang" in run.stdout and version("sglang") in run.stdout
     assert "disk O_DIRECT       ok    on" in run.stdout
     assert run.stdout.rstrip().endswith("ready")
 

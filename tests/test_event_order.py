@@ -2,6 +2,7 @@
 
 from sglang.srt.disaggregation.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
+from sglang_kvbm.integration.sglang.compat import block_stored
 from sglang_kvbm.integration.sglang.event_order import EventOrderer
 
 
@@ -179,7 +180,7 @@ def test_sink_publishes_a_copy_in_one_event_exactly_as_sglangs_recorder_coalesce
             tokens = list(meta.token_ids)
             if meta.event.bigram:
                 tokens = list(zip(tokens[:-1], tokens[1:]))
-            reference.enqueue(BlockStored(
+            reference.enqueue(block_stored(
                 block_hashes=[meta.event.block_hash], parent_block_hash=meta.event.parent_block_hash,
                 token_ids=tokens, block_size=len(tokens), lora_id=None, medium=StorageMedium.CPU,
                 cache_salt=meta.event.cache_salt, lora_name=meta.event.lora_name))

@@ -7,9 +7,11 @@ socket, which silently drops messages past its send high-water mark, the end mar
 
 from __future__ import annotations
 
+import inspect
 import threading
 
 import msgspec
+import pytest
 import zmq
 from sglang.srt.disaggregation.kv_events import BlockStored, KVEventBatch, ZmqEventPublisher
 
@@ -23,6 +25,8 @@ def batch(i: int) -> KVEventBatch:
                                                          lora_id=None, medium="CPU_PINNED")])
 
 
+@pytest.mark.skipif("bind" not in inspect.signature(ZmqEventPublisher.__init__).parameters,
+                    reason="SGLang 0.5.21's publisher takes no bind (0.5.22 on): this test's publisher binds its port")
 def test_replay_returns_every_buffered_batch():
     """More batches than the ROUTER's high-water mark (1000), from SGLang's own publisher. Whether the
     ROUTER drops depends on how fast this client reads (here it keeps up; a busy machine's did not,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import sglang_kvbm.integration.sglang.linker  # noqa: F401  (see test_a_closed_cache_is_collected_with_its_slab)
-from conftest import build_stack
+from conftest import SEAM, build_stack, needs
 from sglang_kvbm.config import ConfigError
 from sglang_kvbm.integration.sglang.kv_pool import UnsupportedPoolError, paged_layout
 
@@ -46,8 +46,8 @@ def test_page_major_native_fp4_scales_are_refused():
         (dict(disable_radix_cache=True), "--disable-radix-cache"),
         (dict(enable_hierarchical_cache=True), "--enable-hierarchical-cache"),
         (dict(hicache_storage_backend="file"), "--hicache-storage-backend"),
-        (dict(unified_cache_external_linker_config={"linker": "Other", "linker_module_path": "x"}),
-         "--unified-cache-external-linker-config"),
+        pytest.param(dict(unified_cache_external_linker_config={"linker": "Other", "linker_module_path": "x"}),
+                     "--unified-cache-external-linker-config", marks=needs("linker_config_flag")),
     ],
 )
 def test_conflicting_cache_flags_stop_the_launcher(flags, needle, monkeypatch):
@@ -61,6 +61,7 @@ def test_conflicting_cache_flags_stop_the_launcher(flags, needle, monkeypatch):
         translate(args)
 
 
+@needs("linker_config_flag")
 def test_the_flag_becomes_the_linker_on_the_default_tree(monkeypatch):
     from sglang.srt.arg_groups.overrides import resolving_view
     from sglang.srt.server_args import ServerArgs
@@ -74,6 +75,61 @@ def test_the_flag_becomes_the_linker_on_the_default_tree(monkeypatch):
     assert view.radix_cache_backend is None and view.enable_unified_cache_external_linker
     assert view.unified_cache_external_linker_backend == "dynamic"
     assert view.unified_cache_external_linker_config["linker"] == "KvbmLinker"
+
+
+@pytest.mark.skipif(SEAM.linker_config_flag, reason="this SGLang builds linkers from --unified-cache-external-linker-config")
+def test_where_sglang_builds_only_its_own_linkers_the_kvbm_factory_stays_with_the_linker_hooks_on(monkeypatch):
+    """SGLang 0.5.21 and 0.5.22: the radix-cache factory attaches the linker (``factory``); the scheduler's linker
+    hooks (per-step poll, layer-wise loading) are on."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_kvbm.integration.sglang import plugin
+    from sglang_kvbm.integration.sglang.flags import describe, translate
+
+    monkeypatch.setenv("DYN_KVBM_CPU_CACHE_GB", "1")
+    args = ServerArgs(model_path="dummy", radix_cache_backend="kvbm")
+    translate(args)
+    view = resolving_view(args)
+    assert view.radix_cache_backend == "kvbm" and view.enable_unified_cache_external_linker
+    plugin.register()
+    assert get_radix_cache_factory("kvbm") is plugin._build_tree
+    assert describe() == "--radix-cache-backend kvbm --enable-unified-cache-external-linker"
+
+
+UNSUPPORTED = """
+import sys
+from importlib import metadata
+
+real = metadata.version
+metadata.version = lambda name: {sglang!r} if name == "sglang" else real(name)
+from sglang.srt.plugins import load_plugins
+from sglang.srt.server_args import prepare_server_args
+
+load_plugins()
+args = prepare_server_args(["--model-path", "dummy"] + sys.argv[1:])
+args.resolve_once()
+print("resolved")
+"""
+
+
+@pytest.mark.parametrize("release", ["0.5.20", "0.6.0rc1"])
+def test_an_sglang_outside_the_range_is_refused_in_one_line_only_when_kvbm_is_asked_for(release):
+    """SGLang's own plugin loading and resolution pipeline, in a process of its own told it is ``release``: the
+    launcher stops with the range and the fix before reading a cache flag; a server without kvbm resolves."""
+    import subprocess
+    import sys
+
+    code = UNSUPPORTED.format(sglang=release)
+    asked = subprocess.run([sys.executable, "-c", code, "--radix-cache-backend", "kvbm"], capture_output=True,
+                           text=True, timeout=300)
+    assert asked.returncode != 0
+    last = asked.stderr.strip().splitlines()[-1]
+    assert last.startswith("sglang_kvbm.config.values.ConfigError: ") and f"sglang {release} is installed" in last
+    assert ">=0.5.21,<0.6" in last and "pip install 'sglang>=0.5.21,<0.6'" in last
+    plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 0 and "resolved" in plain.stdout, plain.stderr[-2000:]
 
 
 def test_no_tier_stops_the_launcher(monkeypatch):
@@ -116,6 +172,7 @@ def test_under_dynamo_a_non_wildcard_events_host_is_warned_about(endpoint, warne
     from sglang_kvbm.integration.sglang.flags import warn_if_dynamo_will_not_connect
 
     monkeypatch.delenv("SGLANG_HOST_IP", raising=False)
+    monkeypatch.delitem(sys.modules, "dynamo.sglang", raising=False)  # Dynamo's environment may have imported it
     events = {"publisher": "zmq", "endpoint": endpoint, "bind": True}
     warn_if_dynamo_will_not_connect(events)  # plain SGLang: nothing to say
     assert "subscribe at this machine's IP" not in caplog.text
@@ -126,6 +183,7 @@ def test_under_dynamo_a_non_wildcard_events_host_is_warned_about(endpoint, warne
         assert "tcp://*:5557" in caplog.text and "SGLANG_HOST_IP=127.0.0.1" in caplog.text
 
 
+@needs("mamba")  # its hybrid pools are built as 0.5.23 builds them (testing.hybrid); older releases: test below
 def test_what_the_seam_cannot_carry_is_refused_with_the_reason(tmp_path):
     """A sliding-window hybrid's draft pools (split into full and window slots) and hybrids under context
     parallelism: refused at start-up, naming what to change."""
@@ -146,3 +204,27 @@ def test_what_the_seam_cannot_carry_is_refused_with_the_reason(tmp_path):
     with pytest.raises(UnsupportedPoolError, match="context parallelism"):
         describe_pools(dataclasses.replace(params, attn_cp_size=2), components)
     assert [s.name for s in describe_pools(params, components).sidecars] == ["swa"]
+
+
+@pytest.mark.skipif(SEAM.mamba and SEAM.draft_pools and SEAM.refusable_loads, reason="this SGLang carries them all")
+def test_what_this_sglang_cannot_hand_a_linker_is_refused_naming_the_release_that_can():
+    """0.5.21/0.5.22: Mamba state, a draft model's KV, (0.5.21) sliding-window loads, LoRA names on events."""
+    import types
+
+    from sglang_kvbm.integration.sglang.compat import refuse_what_this_sglang_cannot_carry
+    from sglang_kvbm.integration.sglang.kv_pool import UnsupportedPoolError
+
+    params = types.SimpleNamespace(enable_kv_cache_events=True)
+    plain = types.SimpleNamespace(speculative_algorithm=None, enable_lora=False)
+    refuse_what_this_sglang_cannot_carry(plain, params, [types.SimpleNamespace(name="FULL")])  # nothing to refuse
+    cases = [("MAMBA", plain, "Mamba", "0.5.23", not SEAM.mamba),
+             ("FULL", types.SimpleNamespace(speculative_algorithm="EAGLE", enable_lora=False), "draft KV", "0.5.23",
+              not SEAM.draft_pools),
+             ("SWA", plain, "sliding-window", "0.5.22", not SEAM.refusable_loads),
+             ("FULL", types.SimpleNamespace(speculative_algorithm=None, enable_lora=True), "adapter names", "0.5.22",
+              not SEAM.event_lora_names)]
+    for component, args, what, release, refused in cases:
+        if not refused:
+            continue
+        with pytest.raises(UnsupportedPoolError, match=f"{what}.*sglang>={release}"):
+            refuse_what_this_sglang_cannot_carry(args, params, [types.SimpleNamespace(name=component)])

@@ -8,7 +8,15 @@ recomputes pairs its next collective with another kind on the other rank (a cras
 
 import pytest
 
+from conftest import needs_refusable_loads
 from rank_pair import results
+
+# Two ranks (or stages) of the 0.5.22-on scheduler flow, refusals included. On SGLang 0.5.21 every rank pins at
+# lookup what it reports and SGLang intersects the lengths (MIN), so no rank is ever asked for more than it pinned.
+pytestmark = needs_refusable_loads
+# The pair's workers build SGLang's sliding-window fixtures from its test kits (0.5.23 on).
+pytest.importorskip("sglang.test.kits.unified_radix_cache", reason="SGLang before 0.5.23 ships no unified-radix-cache "
+                    "test kits")
 
 PAGE = 4
 
