@@ -39,12 +39,16 @@ def pushed_to_host(stack, tokens, seed):
     return written
 
 
-def test_a_pin_holds_its_blocks_against_other_work_and_a_narrower_load_takes_a_subset(stack_factory):
+def eight_blocks_in_host(stack_factory, seed):
+    """A stack whose host tier holds exactly one 8-block prefix; its keys, and pins over its connector."""
     stack = stack_factory(host_blocks=8)
     tokens = list(range(32))
-    pushed_to_host(stack, tokens, seed=1)
-    keys = stack.block_ids(tokens)
-    pins = LookupPins(stack.linker.connector)
+    pushed_to_host(stack, tokens, seed=seed)
+    return stack, stack.block_ids(tokens), LookupPins(stack.linker.connector)
+
+
+def test_a_pin_holds_its_blocks_against_other_work_and_a_narrower_load_takes_a_subset(stack_factory):
+    stack, keys, pins = eight_blocks_in_host(stack_factory, seed=1)
     assert pins.pin("a", keys, 8) == 8
     stack.insert(list(range(2000, 2016)), seed=2)  # other work would push half of the prefix out of host
     stack.settle()
@@ -57,11 +61,7 @@ def test_a_pin_holds_its_blocks_against_other_work_and_a_narrower_load_takes_a_s
 
 
 def test_a_lookup_again_or_a_cancel_lets_the_earlier_pin_go(stack_factory):
-    stack = stack_factory(host_blocks=8)
-    tokens = list(range(32))
-    pushed_to_host(stack, tokens, seed=3)
-    keys = stack.block_ids(tokens)
-    pins = LookupPins(stack.linker.connector)
+    stack, keys, pins = eight_blocks_in_host(stack_factory, seed=3)
     pins.pin("a", keys, 8)
     pins.pin("a", keys, 8)  # the request waited a round: looked up again
     assert len(pins) == 1 and pins.release("a") and not pins.release("a")
