@@ -236,6 +236,8 @@ class Stack:
         from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, MatchPrefixParams
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
+        from sglang_kvbm.integration.sglang.compat import loaded_tail
+
         req = make_req(tokens, rid, cache_salt=cache_salt, extra_key=extra_key)
         usable = (len(tokens) - 1) // self.page_size * self.page_size
         key = RadixKey(array("q", tokens[:usable]), extra_key, cache_salt=cache_salt)
@@ -245,10 +247,10 @@ class Stack:
             req.prefix_indices = match.device_indices
         loaded, slots, index = 0, None, -1
         if match.host_hit_length:
-            loaded, _ = self.tree.init_load_back(InitLoadBackParams(
-                best_match_node=match.best_match_node, host_hit_length=match.host_hit_length, req=req))
-            if isinstance(loaded, torch.Tensor):  # SGLang 0.5.21: the tail's slots, in the tree already
-                slots, loaded = (loaded.clone(), len(loaded)) if len(loaded) else (None, 0)
+            loaded, inserted = loaded_tail(self.tree.init_load_back(InitLoadBackParams(
+                best_match_node=match.best_match_node, host_hit_length=match.host_hit_length, req=req)))
+            if inserted is not None:  # SGLang 0.5.21: the tail's slots, in the tree already
+                slots = inserted.clone()
             elif loaded:
                 slots = self.tree.linker.private_load_indices[rid].clone()
             if loaded:

@@ -60,8 +60,11 @@ class Seam:
     @property
     def first_version_with(self) -> dict:
         """Which release first has each feature this SGLang lacks (for refusals)."""
-        return {"refusable_loads": "0.5.22", "mamba": "0.5.23", "draft_pools": "0.5.23",
-                "event_lora_names": "0.5.22", "event_dynamo_format": "0.5.22"}
+        return FIRST_VERSION_WITH
+
+
+FIRST_VERSION_WITH = {"refusable_loads": "0.5.22", "mamba": "0.5.23", "draft_pools": "0.5.23",
+                      "event_lora_names": "0.5.22", "event_dynamo_format": "0.5.22"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,7 +85,7 @@ def seam() -> Seam:
         mamba=supported is None or any(c.name == "MAMBA" for c in supported),
         draft_pools="sidecar_draft_device_pools" in params,
         retain_window=isinstance(getattr(cache_init_params.CacheInitParams, "swa_retain_window", None), property),
-        event_lora_names="lora_name" in {f for f in getattr(BlockStored, "__struct_fields__", ())},
+        event_lora_names="lora_name" in getattr(BlockStored, "__struct_fields__", ()),
         event_dynamo_format="dynamo_format" in recorder,
         offload_ready=hasattr(base, "record_offload_ready"),
     )
@@ -221,6 +224,15 @@ def cache_init_params(**fields):
             raise TypeError(f"this SGLang's CacheInitParams has no {name!r} (set to {fields[name]!r})")
         del fields[name]
     return CacheInitParams(**fields)
+
+
+def loaded_tail(result) -> tuple[int, Optional["torch.Tensor"]]:
+    """``UnifiedRadixCache.init_load_back``'s answer as ``(tokens loaded, their slots)``: slots only where the tree
+    holds the loaded tail already, its copy still running (0.5.21); None where the caller inserts it after the copy."""
+    loaded, _ = result
+    if seam().refusable_loads:
+        return loaded, None
+    return len(loaded), (loaded if len(loaded) else None)
 
 
 def device_prefix_len(match) -> int:

@@ -28,7 +28,7 @@ from sglang.srt.sampling.sampling_params import SamplingParams
 
 from sglang_kvbm.config import KvbmConfig
 from sglang_kvbm.integration.sglang.build import Identity
-from sglang_kvbm.integration.sglang.compat import device_prefix_len, path_device_indices
+from sglang_kvbm.integration.sglang.compat import device_prefix_len, loaded_tail, path_device_indices
 from sglang_kvbm.integration.sglang.linker import KvbmLinker
 from sglang_kvbm.integration.sglang.tier_query import TierTokens
 
@@ -113,11 +113,12 @@ class KvbmCache:
             req.last_node = node
             if getattr(match, "device_indices", None) is not None:  # SGLang 0.5.21 loads after these
                 req.prefix_indices = match.device_indices
-            loaded, tail_node = tree.init_load_back(
+            result = tree.init_load_back(
                 InitLoadBackParams(best_match_node=match.best_match_node, host_hit_length=match.host_hit_length, req=req)
             )
-            if isinstance(loaded, torch.Tensor):  # SGLang 0.5.21: the tail is in the tree already, loading
-                node, lock, loaded = self._land_inserted(tail_node, node, lock, len(loaded))
+            loaded, inserted = loaded_tail(result)
+            if inserted is not None:  # the tail is in the tree already, loading
+                node, lock, loaded = self._land_inserted(result[1], node, lock, loaded)
             elif loaded:
                 node, lock, loaded = self._land(req, key, node, lock, device, loaded)
         indices = path_device_indices(tree, node)[: device + loaded]
