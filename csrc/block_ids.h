@@ -76,15 +76,30 @@ inline bool unhex(const uint8_t *s, uint8_t *out) {
 }
 #endif
 
-[[noreturn]] inline void bad_id(PyObject *o) {
-    PyObject *r = PyObject_Repr(o);
-    std::string shown = r ? PyUnicode_AsUTF8(r) : "?";
-    Py_XDECREF(r);
-    if (shown.size() > 80) shown = shown.substr(0, 77) + "...";
-    throw nb::value_error(("a block id is a sha256 digest: 64 hex characters (SGLang's storage hash) or 32 "
-                           "bytes; got " + shown).c_str());
+// For messages: ``ascii(o)``, shortened. Runs Python code (``__repr__``), so ``o`` is held meanwhile; a
+// ``__repr__`` that fails gives the type's name.
+inline std::string shown(PyObject *o) {
+    nb::object held = nb::borrow(o);
+    nb::object text = nb::steal(PyObject_ASCII(o));
+    Py_ssize_t n = 0;
+    const char *utf8 = text.is_valid() ? PyUnicode_AsUTF8AndSize(text.ptr(), &n) : nullptr;
+    if (!utf8) {
+        PyErr_Clear();
+        return std::string("<") + Py_TYPE(o)->tp_name + ">";
+    }
+    std::string out(utf8, size_t(n));
+    return out.size() > 80 ? out.substr(0, 77) + "..." : out;
 }
 
+[[noreturn]] inline void bad_id(PyObject *o) {
+    if (!PyUnicode_Check(o) && !PyBytes_Check(o))
+        throw nb::type_error((std::string("a block id is a str (64 hex characters) or 32 bytes, not ") +
+                              Py_TYPE(o)->tp_name).c_str());
+    throw nb::value_error(("a block id is a sha256 digest: 64 hex characters (SGLang's storage hash) or 32 "
+                           "bytes; got " + shown(o)).c_str());
+}
+
+// An id as 32 raw bytes. Runs no Python code unless the id is bad (then it raises).
 inline Key parse(PyObject *o) {
     Key k;
     uint8_t *out = reinterpret_cast<uint8_t *>(k.w);
@@ -99,5 +114,8 @@ inline Key parse(PyObject *o) {
     }
     bad_id(o);
 }
+
+// sha256 bytes are uniform already; the multiply only spreads ids a test made by hand.
+inline size_t key_hash(const Key &k) { return size_t((k.w[0] ^ k.w[3]) * 0x9E3779B97F4A7C15ull >> 17); }
 
 }  // namespace kvbm

@@ -1,15 +1,24 @@
-// Key -> slot: open addressing, linear probing, backward-shift deletion (no tombstones), load <= 1/2.
-// The keys live in the owner's per-slot array; the table holds slot numbers only.
+// The block index's per-tier structures over slot numbers: key -> slot, the LRU order, the free list.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <vector>
 
 #include "block_ids.h"
 
 namespace kvbm {
 
+// An invariant the index keeps is broken: stop here, loudly, rather than spin or hand one slot out twice.
+[[noreturn]] inline void corrupted(const char *what) {
+    std::fprintf(stderr, "sglang_kvbm._blocks: internal invariant broken: %s\n", what);
+    std::abort();
+}
+
+// Key -> slot: open addressing, linear probing, backward-shift deletion (no tombstones), load <= 1/2.
+// The keys live in the owner's per-slot array; the table holds slot numbers only.
 class KeyTable {
   public:
     explicit KeyTable(int32_t slots) {
@@ -36,7 +45,10 @@ class KeyTable {
 
     void erase(int32_t s, const std::vector<Key> &keys) {
         size_t i = hash(keys[s]) & mask_;
-        while (table_[i] != s) i = (i + 1) & mask_;
+        while (table_[i] != s) {
+            if (table_[i] < 0) corrupted("KeyTable::erase of a slot not in the table");
+            i = (i + 1) & mask_;
+        }
         // Move later entries of the probe run into the hole, unless their home lies after it.
         for (size_t j = (i + 1) & mask_; table_[j] >= 0; j = (j + 1) & mask_) {
             size_t home = hash(keys[table_[j]]) & mask_;
@@ -54,8 +66,7 @@ class KeyTable {
     std::vector<int32_t> table_;
     size_t mask_;
 
-    // sha256 bytes are uniform already; the multiply only spreads ids a test made by hand.
-    static size_t hash(const Key &k) { return size_t((k.w[0] ^ k.w[3]) * 0x9E3779B97F4A7C15ull >> 17); }
+    static size_t hash(const Key &k) { return key_hash(k); }
 };
 
 // Slots in least- to most-recently-used order: an intrusive doubly linked list over slot numbers.
@@ -88,6 +99,52 @@ class LruLinks {
   private:
     std::vector<int32_t> prev_, next_;
     int32_t head_ = -1, tail_ = -1;
+};
+
+// Slots a reserve may take, taken from the end; each slot at most once (``listed``).
+class FreeList {
+  public:
+    explicit FreeList(int32_t slots) : listed_(size_t(slots), 0) {}
+
+    size_t size() const { return stack_.size(); }
+    bool empty() const { return stack_.empty(); }
+    bool listed(int32_t s) const { return listed_[size_t(s)]; }
+    void reserve(size_t n) { stack_.reserve(n); }
+
+    void push(int32_t s) {
+        if (listed_[size_t(s)]) return;
+        listed_[size_t(s)] = 1;
+        stack_.push_back(s);
+    }
+
+    int32_t pop() {
+        int32_t s = stack_.back();
+        stack_.pop_back();
+        listed_[size_t(s)] = 0;
+        return s;
+    }
+
+    void clear() {
+        for (int32_t s : stack_) listed_[size_t(s)] = 0;
+        stack_.clear();
+    }
+
+    // Take these slots out, keeping the others' order.
+    template <class Seq>
+    void remove(const Seq &slots) {
+        bool any = false;
+        for (int32_t s : slots)
+            if (listed_[size_t(s)]) {
+                listed_[size_t(s)] = 0;
+                any = true;
+            }
+        if (any) stack_.erase(std::remove_if(stack_.begin(), stack_.end(), [&](int32_t s) { return !listed_[size_t(s)]; }),
+                              stack_.end());
+    }
+
+  private:
+    std::vector<int32_t> stack_;
+    std::vector<uint8_t> listed_;
 };
 
 }  // namespace kvbm

@@ -11,6 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from sglang_kvbm.core.identity import chain_hashes
+from sglang_kvbm.core.ports import BlockMeta
+from sglang_kvbm.tiers.host.pool import HostBlockPool
+from sglang_kvbm.transfer.host_memory import aligned_empty
+
 # loads must land whatever the machine is doing (not this file's subject: test_disk_lanes.py tests the budget)
 pytestmark = pytest.mark.usefixtures("loads_wait_for_their_reads")
 
@@ -145,3 +150,20 @@ def test_drop_tiers_announces_every_removal_and_still_completes_the_trees_offloa
     _copied_to_host(stack)
     stack.settle()
     assert stack.linker.connector.peek(stack.block_ids(kept)) == (4, 4)
+
+
+def test_a_host_row_pinned_by_two_holders_is_reused_only_after_both_let_go():
+    """A disk write and a G4 write pin one row; the tiers are forgotten; the first to end must not free the row."""
+    x, y, z, w = chain_hashes(list(range(4)), 1)
+    pool = HostBlockPool(aligned_empty((2, 4096)))
+    rows, _ = pool.reserve([x])
+    pool.commit([BlockMeta(x, (1, 2), None, None)], rows)
+    held = pool.pin([x])  # the disk write
+    assert pool.pin([x]) == held  # the G4 write
+    pool.forget()
+    pool.release_orphans(held)  # the disk write ends
+    assert pool.accounting()["orphaned"] == 1
+    got, _ = pool.reserve([y, z])
+    assert held[0] not in got and len(got) == 1  # the G4 write still reads its row
+    pool.release_orphans(held)  # the G4 write ends
+    assert pool.accounting()["orphaned"] == 0 and pool.reserve([w])[0] == held

@@ -20,11 +20,17 @@ not arrive whole is never visible. Every other transition raises
 where it happens rather than later as wrong KV.
 
 Each tier's slots follow it in the compiled block index
-(:class:`sglang_kvbm._blocks.BlockIndex`, ``csrc/block_index.cpp``), with the
+(:class:`sglang_kvbm._blocks.BlockIndex`, ``csrc/block_index.h``), with the
 LRU order and the pins beside the states: a copy's slots are reserved
 (``MUTABLE``), then registered at once when its bytes are there (``commit``
 passes through ``COMMITTED``), or aborted. A call checks its whole batch
-before it changes any slot.
+before it changes any slot: an id or a slot twice where that means nothing
+(``reserve``, ``restore``, ``commit``, ``abort``, ``drop_slots``,
+``set_free``, ``add_free``) is a ``ValueError``, a wrong type a
+``TypeError``, a slot out of range an ``IndexError``, an illegal move a
+``BlockStateError``; a refused call changes nothing. Where a repeat has a
+meaning it keeps it: ``pin``/``unpin``/``release_orphans`` count each
+occurrence, ``touch`` and ``remove`` act once.
 """
 
 from __future__ import annotations

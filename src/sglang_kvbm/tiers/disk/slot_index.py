@@ -4,7 +4,7 @@ Scheduler thread only. A slot is reserved before its write is submitted,
 registered (with the header that was written) when the write completed, and
 freed when its block is evicted, invalidated or forgotten. Blocks being read
 are pinned, so their slots cannot be reused under the read. The bookkeeping is
-the compiled block index (``csrc/block_index.cpp``), each registered slot
+the compiled block index (``csrc/block_index.h``), each registered slot
 keeping its header there; a slot of a segment that is gone is never handed
 out again until the segment is recreated.
 """

@@ -2,7 +2,7 @@
 
 A fixed slab of rows, one block per row, each row following the block
 lifecycle (``core.lifecycle``); registered blocks are kept in LRU order. Both
-live in the compiled block index (``csrc/block_index.cpp``). Only the
+live in the compiled block index (``csrc/block_index.h``). Only the
 scheduler thread calls this class. Copy threads write the rows of
 ``MUTABLE`` blocks and read the rows of pinned ones, nothing else; a row is
 reused only after its block was dropped *and* no copy can still use it.

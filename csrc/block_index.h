@@ -1,0 +1,135 @@
+// BlockIndex: which slot of one tier holds which block (``sglang_kvbm._blocks``; bindings: module.cpp).
+//
+// One per tier (host rows, staging rows, disk slots). Everything the scheduler
+// thread asks of a tier about a node's pages is one call here: the leading run
+// held, which pages are missing, reserve/commit/abort a copy's slots, pin/unpin
+// a load's rows, touch a prefix, evict least recently used blocks.
+//
+// * Block ids arrive as SGLang hands them (64-character hex sha256 strings) or
+//   as 32 raw bytes; inside they are 32 raw bytes, never a Python object.
+// * Per slot: its key, its lifecycle state (KVBM's FREE -> MUTABLE ->
+//   REGISTERED -> FREE; see ``core/lifecycle.py``), pin count, the holders of
+//   an orphan (a slot a copy still uses after the tier forgot its block),
+//   intrusive LRU links, and one Python object the tier keeps beside it (the
+//   host's BlockMeta, the disk's header).
+// * An open-addressing table maps key -> slot for blocks registered or being written.
+//
+// Every call that changes state reads its whole batch and checks it first (types, ranges, repeats,
+// states), then changes state without running Python code: a refused call changes nothing. A payload
+// the index lets go is released when the call returns (its ``__del__`` may call back in), or handed
+// back. Lookups (``run``, ``held_by``) stop at the first id not held and do not read the rest: a
+// malformed id after a miss is not reported (page-size-1 lookups would otherwise parse whole tails).
+//
+// Scheduler thread only, called with the GIL held (each call is a few
+// microseconds at most: releasing the GIL would cost more than it saves).
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "block_ids.h"
+#include "key_table.h"
+#include "py_seq.h"
+
+namespace kvbm {
+
+enum State : uint8_t { FREE = 0, MUTABLE = 1, COMMITTED = 2, REGISTERED = 3 };
+
+struct BlockStateError : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+class BlockIndex {
+  public:
+    // ``all_free``: every slot usable and free (host rows); else none until ``set_free``/``restore`` (disk).
+    BlockIndex(int32_t capacity, bool all_free);
+
+    int32_t capacity() const { return cap_; }
+    size_t size() const { return registered_; }
+
+    // -- membership, one call per node (read-only) ------------------------------------------
+    bool holds(nb::handle id) const { return find(parse(id.ptr())) >= 0; }
+    bool registered(nb::handle id) const { return registered_slot(parse(id.ptr())) >= 0; }
+    nb::object slot(nb::handle id) const;
+    nb::list slots(nb::handle ids) const;     // registered: the slot; else None
+    Py_ssize_t run(nb::handle ids) const;     // leading ids registered here
+    nb::list missing(nb::handle ids) const;   // positions of ids neither registered nor being written
+    nb::bytes flags(nb::handle ids) const;    // per id, 1 registered here, else 0
+
+    // -- a copy's slots: reserve -> commit, or abort ----------------------------------------
+    nb::tuple reserve(nb::handle ids);
+    void commit(nb::handle slot_seq, nb::handle payloads);
+    void restore(nb::handle slot_seq, nb::handle ids, nb::handle payloads);
+    void abort(nb::handle slot_seq);
+    void release_orphans(nb::handle slot_seq);
+
+    // -- reads of registered blocks ---------------------------------------------------------
+    void touch(nb::handle ids);
+    nb::list pin(nb::handle ids);
+    void unpin(nb::handle ids);
+    int32_t pins(nb::handle id) const;
+
+    // -- dropping blocks --------------------------------------------------------------------
+    nb::list remove(nb::handle ids, bool skip_pinned);
+    nb::list drop_slots(nb::handle slot_seq);
+    nb::list forget(bool keep_pinned);
+
+    // -- what is kept -----------------------------------------------------------------------
+    nb::object payload(int32_t s) const;
+    nb::list payloads(nb::handle ids) const;
+    nb::list items() const;
+    int state(int32_t s) const;
+
+    // -- where the slots are ----------------------------------------------------------------
+    size_t free_count() const { return free_.size(); }
+    size_t inflight_count() const { return inflight_; }
+    size_t pinned_count() const { return pinned_; }
+    size_t orphan_count() const { return orphans_; }
+    void set_free(nb::handle slot_seq);
+    void add_free(nb::handle slot_seq);
+
+    // The slot of a registered key, or -1 (``held_by``: one parse per id for every index).
+    int32_t registered_slot(const Key &k) const {
+        int32_t s = find(k);
+        return s >= 0 && state_[size_t(s)] == REGISTERED ? s : -1;
+    }
+
+    // The garbage collector's view: the payloads kept (tp_traverse), and letting them go (tp_clear).
+    int traverse(visitproc visit, void *arg) const;
+    void clear_payloads();
+
+  private:
+    int32_t cap_;
+    std::vector<Key> keys_;
+    std::vector<uint8_t> state_, mapped_, usable_, seen_;  // seen_: all zero between calls
+    std::vector<int32_t> pins_, orphan_;
+    std::vector<nb::object> payload_;
+    FreeList free_;
+    KeyTable table_;  // key -> slot, for blocks registered or being written
+    LruLinks lru_;    // registered slots
+    size_t registered_ = 0, inflight_ = 0, pinned_ = 0, orphans_ = 0;
+
+    int32_t find(const Key &k) const { return table_.find(k, keys_); }
+    void map(int32_t s, const Key &k);
+    void unmap(int32_t s);
+    void release(int32_t s);
+    void release_orphan(int32_t s);
+    nb::object drop_registered(int32_t s);
+    void evict(size_t n, nb::list &out);
+    void check(int32_t s) const;
+
+    Py_ssize_t registered_slots(nb::handle ids, Slots &out) const;
+
+    // Batch checks: raise before anything changes.
+    void distinct_slots(nb::handle seq, Slots &slots, const char *call);  // slots_of + slots_once
+    void slots_once(const Slots &slots, const char *call);
+    static void ids_once(const Keys &keys, const char *call);
+    void not_held(const Keys &keys, const char *call) const;
+    void expect_state(int32_t s, State want, State to) const;
+    std::string move_error(int32_t s, State to, State from) const;
+};
+
+}  // namespace kvbm
