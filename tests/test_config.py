@@ -73,6 +73,33 @@ def test_unknown_kvbm_variable_is_reported_with_a_suggestion(caplog):
     assert "DYN_KVBM_METRICS" not in caplog.text
 
 
+def test_kvbm_variables_of_parts_not_run_are_accepted_silently_each_with_its_reason(caplog):
+    ignored = dict(KvbmConfig.ignored_variables())
+    assert "DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS" in ignored
+    assert all(reason.strip() and "\n" not in reason for reason in ignored.values())
+    assert not set(ignored) & {name for name, _ in KvbmConfig.variables()}  # read or ignored, never both
+    with caplog.at_level(logging.WARNING, logger="sglang_kvbm.config"):
+        config = KvbmConfig.from_env({name: "30" for name in ignored})
+    assert config == KvbmConfig() and caplog.text == ""
+
+
+def test_credentials_stay_out_of_repr_and_error_messages():
+    config = KvbmConfig.from_env({"DYN_KVBM_CPU_CACHE_GB": "1", "DYN_KVBM_OBJECT_ENABLED": "1",
+                                  "DYN_KVBM_OBJECT_BUCKET": "kv-cache", "DYN_KVBM_OBJECT_ACCESS_KEY": "AKIAEXAMPLEID",
+                                  "DYN_KVBM_OBJECT_SECRET_KEY": "s3cr3t-v4lue"})
+    assert config.object_secret_key == "s3cr3t-v4lue"  # the value itself is kept
+    for shown in (repr(config), str(config), f"{config!r}"):
+        assert "s3cr3t-v4lue" not in shown and "AKIAEXAMPLEID" not in shown
+        assert "object_secret_key='***'" in shown and "cpu_cache_gb=1.0" in shown
+    assert "object_secret_key=None" in repr(KvbmConfig())  # unset stays visibly unset
+    with pytest.raises(ConfigError) as raised:
+        KvbmConfig.from_sources({}, '{"object_secret_key": ["s3cr3t-v4lue"]}')
+    assert "s3cr3t-v4lue" not in str(raised.value) and "object_secret_key" in str(raised.value)
+    from sglang_kvbm.tiers.object.store import ObjectSettings
+
+    assert "s3cr3t-v4lue" not in repr(ObjectSettings("kv-cache", None, None, "AKIAEXAMPLEID", "s3cr3t-v4lue"))
+
+
 def test_disk_variables():
     config = KvbmConfig.from_env(
         {

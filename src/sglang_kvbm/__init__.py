@@ -5,7 +5,12 @@ adapter lives in ``sglang_kvbm.integration.sglang`` and is reached through the
 ``kvbm`` radix-cache backend (``--radix-cache-backend kvbm``).
 """
 
+from importlib import metadata as _metadata
+
 from sglang_kvbm.config import ConfigError, KvbmConfig
 
-__version__ = "0.1.0"
+try:  # one version source: pyproject.toml's, through the installed metadata
+    __version__ = _metadata.version("sglang-kvbm")
+except _metadata.PackageNotFoundError:  # a source tree on PYTHONPATH, never installed
+    __version__ = "0+unknown"
 __all__ = ["ConfigError", "KvbmConfig", "__version__"]

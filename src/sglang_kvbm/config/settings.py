@@ -15,6 +15,7 @@ import difflib
 import json
 import logging
 import os
+from types import MappingProxyType
 from typing import Any, Callable, Mapping, Optional
 
 from sglang_kvbm.config.values import (  # ConfigError: everyone imports it from here
@@ -48,6 +49,7 @@ class _Var:
     parse: Callable[[str, str], Any]
     doc: str
     text: bool = False  # a path or an address: in JSON, only a string (a number or true is a mistake)
+    secret: bool = False  # a credential: never in a repr, a log line, doctor's table or an error message
 
 
 # The variables this library reads, in the order a person would set them.
@@ -128,8 +130,9 @@ _VARS: tuple[_Var, ...] = (
          "the object store's URL, e.g. http://127.0.0.1:9000 (path-style); unset: AWS S3", text=True),
     _Var("DYN_KVBM_OBJECT_REGION", "object_region", object_tier.text, "the bucket's region", text=True),
     _Var("DYN_KVBM_OBJECT_ACCESS_KEY", "object_access_key", object_tier.text,
-         "with _SECRET_KEY; unset: the AWS SDK's own credentials", text=True),
-    _Var("DYN_KVBM_OBJECT_SECRET_KEY", "object_secret_key", object_tier.text, "with _ACCESS_KEY", text=True),
+         "with _SECRET_KEY; unset: the AWS SDK's own credentials", text=True, secret=True),
+    _Var("DYN_KVBM_OBJECT_SECRET_KEY", "object_secret_key", object_tier.text, "with _ACCESS_KEY", text=True,
+         secret=True),
     _Var("DYN_KVBM_OBJECT_WRITE_THROUGH", "object_write_through", _bool,
          "keep a block in host after it is written to the bucket (default 1; 0: it leaves host)"),
     _Var("DYN_KVBM_OBJECT_NUM_BLOCKS", "object_num_blocks", _positive_int,
@@ -143,8 +146,24 @@ _VARS: tuple[_Var, ...] = (
 _BY_ENV = {v.env: v for v in _VARS}
 
 # KVBM variables that belong to parts this library does not run (or runs through
-# the kvbm package itself); accepted without a warning.
-_KVBM_PASSTHROUGH = frozenset({"DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS"})
+# the kvbm package itself): accepted without a warning, and without effect. Name -> why
+# (one line each: the configuration reference prints it).
+_KVBM_PASSTHROUGH: Mapping[str, str] = MappingProxyType({
+    "DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS": (
+        "how long KVBM's leader waits for its workers to register; sglang-kvbm has no leader and workers (each "
+        "rank builds its own tiers in its own process), so nothing waits"
+    ),
+})
+_SECRET_FIELDS = frozenset(v.field for v in _VARS if v.secret)
+MASK = "***"
+
+
+def hidden_variable(name: str) -> bool:
+    """Whether a variable's value is a credential, never shown (``doctor``): the table's secret ones, and any
+    name that reads like one."""
+    var = _BY_ENV.get(name)
+    return (var is not None and var.secret) or any(w in name for w in ("SECRET", "PASSWORD", "TOKEN")) or (
+        name.endswith("_KEY"))
 
 
 def _blocks(count: Optional[int], gib: Optional[float], block_bytes: int, gib_var: str) -> int:
@@ -186,7 +205,7 @@ def _json_text(var: _Var, key: str, raw: Any) -> str:
         return raw.strip()
     if var.text or raw is None or isinstance(raw, (bool, list, dict)):
         kind = "a string" if var.text else "a number, string or boolean"
-        shown = json.dumps(dict(raw) if isinstance(raw, _Pairs) else raw)
+        shown = MASK if var.secret else json.dumps(dict(raw) if isinstance(raw, _Pairs) else raw)
         raise ConfigError(f"--kvbm-config key {key!r} needs {kind}, got {shown}: set it to {kind}, "
                           "or leave the key out for the default")
     return str(raw)
@@ -226,6 +245,12 @@ class KvbmConfig:
     object_num_blocks: int = 100_000
     model_identity: Optional[str] = None
     digest_cache: Optional[str] = None
+
+    def __repr__(self) -> str:
+        """The dataclass's repr, credentials masked (``object_secret_key='***'``): a config is logged and shown."""
+        shown = (f"{f.name}={MASK!r}" if f.name in _SECRET_FIELDS and getattr(self, f.name) is not None
+                 else f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if f.repr)
+        return f"{type(self).__name__}({', '.join(shown)})"
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "KvbmConfig":
@@ -333,3 +358,8 @@ class KvbmConfig:
     def variables() -> tuple[tuple[str, str], ...]:
         """``(name, meaning)`` of every variable read, for docs and ``doctor``."""
         return tuple((v.env, v.doc) for v in _VARS)
+
+    @staticmethod
+    def ignored_variables() -> tuple[tuple[str, str], ...]:
+        """``(name, why)`` of every KVBM variable accepted without effect (no warning), for docs."""
+        return tuple(_KVBM_PASSTHROUGH.items())

@@ -24,11 +24,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
+import re
 import shutil
 from importlib import metadata
 from typing import Optional, TextIO
 
 from sglang_kvbm.config import GIB, ConfigError, KvbmConfig
+from sglang_kvbm.config.settings import hidden_variable
+from sglang_kvbm.ops.needs import DISTRIBUTION, installed, pip_install
 from sglang_kvbm.ops.versions import SUPPORTED_SGLANG, check_sglang_version
 from sglang_kvbm.tiers import registry
 
@@ -45,33 +48,56 @@ class Row:
 
 
 def _version(dist: str) -> Optional[str]:
+    """The installed version of ``dist`` (also its import name), or None when it cannot be imported: a package
+    whose metadata is there but whose module is not counts as missing."""
+    if not installed(dist):
+        return None
     try:
         return metadata.version(dist)
+    except metadata.PackageNotFoundError:  # importable without metadata (a source tree on the path)
+        return "version unknown"
+
+
+def _declared(dist: str) -> str:
+    """``dist`` as this package's metadata requires it (``torch>=2.6``), or its bare name."""
+    try:
+        requirements = metadata.requires(DISTRIBUTION) or []
     except metadata.PackageNotFoundError:
-        return None
+        return dist
+    for requirement in requirements:
+        if re.match(rf"{re.escape(dist)}\s*(?:[<>=!~;]|$)", requirement) and "extra ==" not in requirement:
+            return requirement.split(";")[0].strip()
+    return dist
 
 
 def _versions(rows: list[Row]) -> None:
     rows.append(Row("python", "info", platform.python_version()))
     sglang = _version("sglang")
     if sglang is None:
-        rows.append(Row("sglang", "FAIL", f"not installed: pip install 'sglang{SUPPORTED_SGLANG}'"))
+        rows.append(Row("sglang", "FAIL", f"not installed: pip install 'sglang{SUPPORTED_SGLANG}', or "
+                        f"{pip_install('sglang')}"))
     else:
         try:
             check_sglang_version(sglang)
             rows.append(Row("sglang", "ok", sglang))
         except ConfigError as exc:
             rows.append(Row("sglang", "FAIL", str(exc)))
+    fixes = {"torch": f"pip install '{_declared('torch')}'", "nixl": pip_install("disk"), "kvbm": None}
     for dist, why in (("torch", "required"), ("nixl", "disk tier"), ("kvbm", "kvbm backend (CUDA)")):
         version = _version(dist)
-        status = "ok" if version else ("FAIL" if why == "required" else "info")
-        rows.append(Row(dist, status, version or f"not installed ({why})"))
+        if version:
+            rows.append(Row(dist, "ok", version))
+            continue
+        fix = fixes[dist]
+        rows.append(Row(dist, "FAIL" if why == "required" else "info",
+                        f"not installed ({why})" + (f": {fix}" if fix else "")))
 
 
 def _cuda(rows: list[Row]) -> bool:
     try:
         import torch
     except ImportError:
+        rows.append(Row("cuda", "info", "not checked: torch is not installed"))
         return False
     if torch.cuda.is_available():
         rows.append(Row("cuda", "ok", f"{torch.cuda.get_device_name(0)} (torch CUDA {torch.version.cuda})"))
@@ -128,7 +154,8 @@ def _tiers(rows: list[Row], config: KvbmConfig, block_bytes: Optional[int], page
         try:
             from sglang_kvbm.tiers.disk.format import header_bytes_for
         except ImportError as exc:  # numpy, msgspec or xxhash missing: the install is broken
-            rows.append(Row("disk tier", "FAIL", f"cannot size disk blocks ({exc}): reinstall sglang-kvbm"))
+            rows.append(Row("disk tier", "FAIL", f"cannot size disk blocks ({exc}): reinstall sglang-kvbm "
+                            f"(pip install --force-reinstall {DISTRIBUTION})"))
             return
         gib = None if config.disk_cache_blocks is not None else config.disk_cache_gb
         page_size = page_size or config.router_block_size or ASSUMED_PAGE_SIZE
@@ -175,7 +202,7 @@ def _disk(rows: list[Row], config: KvbmConfig, need: _Need) -> None:
     try:
         import nixl  # noqa: F401
     except ImportError:
-        rows.append(Row("disk NIXL", "FAIL", "the disk tier needs NIXL: pip install 'sglang-kvbm[disk]'"))
+        rows.append(Row("disk NIXL", "FAIL", f"the disk tier needs NIXL: {pip_install('disk')}"))
 
 
 def diagnose(environ=None, *, block_bytes: Optional[int] = None, page_size: Optional[int] = None) -> list[Row]:
@@ -190,7 +217,7 @@ def diagnose(environ=None, *, block_bytes: Optional[int] = None, page_size: Opti
         rows.append(Row("configuration", "FAIL", str(exc)))
         return rows
     set_vars = sorted(k for k in environ if k.startswith(("DYN_KVBM_", "SGLANG_KVBM_")))
-    shown = (f"{k}=<hidden>" if "SECRET" in k or k.endswith("_KEY") else f"{k}={environ[k]}" for k in set_vars)
+    shown = (f"{k}=<hidden>" if hidden_variable(k) else f"{k}={environ[k]}" for k in set_vars)
     rows.append(Row("configuration", "ok", ", ".join(shown) or "nothing set"))  # credentials are not printed
     rows.append(Row("backend", "ok", "local (host memory and disk through NIXL; events on SGLang's stream)"))
     _tiers(rows, config, block_bytes, page_size)

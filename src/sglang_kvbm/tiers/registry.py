@@ -14,6 +14,13 @@ A kind is a module ``sglang_kvbm.tiers.<name>.kind`` with:
 
 A lookup walks the chain in :data:`KINDS` order after host: the nearest tier
 that serves a block serves it. Adding a tier is a folder plus its line here.
+
+The command line (to build its parser) and ``doctor`` import every kind, on the
+base install too: a ``kind`` module imports only the standard library and this
+package's light modules (configuration, ``core``, ``ops.needs``) at its top, and
+everything else (torch, numpy, NIXL, Mooncake, zmq: its store and tier) inside
+the function that needs it. A ``run`` checks what its command needs first
+(``ops.needs.require``). ``tests/test_cli.py`` holds them to it.
 """
 
 from __future__ import annotations

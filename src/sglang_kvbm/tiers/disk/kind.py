@@ -7,9 +7,6 @@ import logging
 from sglang_kvbm.config import GIB
 from sglang_kvbm.core.offload_filter import FrequencyFilter
 from sglang_kvbm.core.onboard_policy import OnboardPolicy
-from sglang_kvbm.tiers.disk.setup import probe
-from sglang_kvbm.tiers.disk.store import DiskStore
-from sglang_kvbm.tiers.disk.tier import DiskTier
 from sglang_kvbm.tiers.registry import KindPlan, WorkerPools, pool_blocks
 
 logger = logging.getLogger(__name__)
@@ -22,6 +19,12 @@ def enabled(config) -> bool:
 
 def build(config, pools: WorkerPools) -> KindPlan:
     """A store per pool in one probed directory, each under its pool's identity (they never read each other's)."""
+    # Here, not at the top: the command line and doctor import every kind (tiers.registry), and the store needs
+    # torch and numpy.
+    from sglang_kvbm.tiers.disk.setup import probe
+    from sglang_kvbm.tiers.disk.store import DiskStore
+    from sglang_kvbm.tiers.disk.tier import DiskTier
+
     slot_bytes = [DiskStore.header_bytes_for(each.page_size) + each.block_bytes for each in pools.layouts]
     kv_blocks = config.disk_blocks(round(sum(n * share for n, share in zip(slot_bytes, pools.shares))))
     identities = [pools.fingerprint(name, {}) for name in pools.names]

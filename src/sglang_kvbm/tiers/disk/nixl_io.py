@@ -16,6 +16,7 @@ import time
 from typing import Callable, Optional
 
 from sglang_kvbm.config import ConfigError
+from sglang_kvbm.ops.needs import pip_install
 
 Descriptors = list[tuple[int, int, int]]  # (address or offset, length, device id / fd)
 
@@ -31,7 +32,7 @@ class NixlFileIO:
         except ImportError as exc:
             raise ConfigError(
                 f"the disk tier (DYN_KVBM_DISK_CACHE_GB) moves blocks through NIXL, which is not installed "
-                f"({exc}): pip install 'sglang-kvbm[disk]'"
+                f"({exc}): {pip_install('disk')}"
             ) from None
         config = nixl_agent_config(backends=[], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self._agent = nixl_agent(f"{name}-{os.getpid()}-{id(self):x}", config)

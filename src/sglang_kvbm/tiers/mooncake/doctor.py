@@ -19,6 +19,7 @@ def _row(check: str, status: str, detail: str) -> Row:
     return (check, status, detail)
 
 from sglang_kvbm.config import KvbmConfig
+from sglang_kvbm.ops.needs import pip_install
 
 EMBEDDED = ("mooncake_master's embedded metadata server always listens on every address (Mooncake 0.3.13 ignores "
             "--http_metadata_server_host)")
@@ -33,7 +34,7 @@ def g4_rows(config: KvbmConfig, environ: Mapping[str, str]) -> list[Row]:
         import mooncake.store  # noqa: F401
     except ImportError as exc:
         fix = ("apt-get install libibverbs1" if "ibverbs" in str(exc)
-               else "pip install 'sglang-kvbm[mooncake]' (or [mooncake-cuda])")
+               else f"{pip_install('mooncake')} (or [mooncake-cuda])")
         rows.append(_row("G4 (Mooncake)", "FAIL", f"the Mooncake client does not load ({exc}): {fix}"))
         return rows
     from sglang_kvbm.tiers.mooncake.probe import unreachable_endpoints

@@ -20,6 +20,7 @@ from typing import Mapping, Optional
 
 from sglang_kvbm.config import GIB, ConfigError
 from sglang_kvbm.core.offload_filter import FrequencyFilter
+from sglang_kvbm.ops.needs import pip_install, require
 from sglang_kvbm.tiers.registry import KindPlan, WorkerPools
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ def build(config, pools: WorkerPools) -> KindPlan:
 
     if importlib.util.find_spec("mooncake") is None:
         raise ConfigError("SGLANG_KVBM_MOONCAKE_MASTER is set but Mooncake's client is not installed in this "
-                          "environment: pip install 'sglang-kvbm[mooncake]' (or [mooncake-cuda]), or unset it")
+                          f"environment: {pip_install('mooncake')} (or [mooncake-cuda]), or unset it")
     none = [None] * len(pools.names)
     if len(pools.names) > 1:
         logger.warning("kvbm: the mooncake tier (SGLANG_KVBM_MOONCAKE_MASTER) holds full-attention KV only; this "
@@ -95,6 +96,9 @@ def commands(subparsers) -> None:
     relay = subparsers.add_parser(
         "mooncake-events",
         help="publish a Mooncake master's objects as its KV events, for Dynamo's --shared-cache-type hicache",
+        description="Poll a Mooncake master's object names and publish what appeared and what left as its KV "
+                    "events (ZMQ), for Dynamo's router with --shared-cache-type hicache. Needs pyzmq: "
+                    f"{pip_install('mooncake')}",
     )
     relay.add_argument("--master-http", required=True, metavar="HOST:PORT",
                        help="the master's HTTP port (mooncake_master --metrics_port, default 9003)")
@@ -106,6 +110,7 @@ def commands(subparsers) -> None:
 def run(args: argparse.Namespace) -> Optional[int]:
     if args.command != "mooncake-events":
         return None
+    require("mooncake-events", "mooncake", "zmq")
     from sglang_kvbm.tiers.mooncake.events import EventRelay
 
     url = args.master_http if "://" in args.master_http else f"http://{args.master_http}"

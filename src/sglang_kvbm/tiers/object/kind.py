@@ -17,6 +17,7 @@ import socket
 import urllib.parse
 from typing import Mapping
 
+from sglang_kvbm.ops.needs import pip_install
 from sglang_kvbm.tiers.registry import KindPlan, WorkerPools
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ def doctor_rows(config, environ: Mapping[str, str]) -> list[tuple]:
         rows.append(("object backend", "ok" if "OBJ" in plugins else "FAIL",
                      "NIXL's OBJ plugin loads" if "OBJ" in plugins else f"NIXL has no OBJ plugin (has {plugins})"))
     except ImportError as exc:
-        rows.append(("object backend", "FAIL", f"NIXL is not installed ({exc}): pip install 'sglang-kvbm[disk]'"))
+        rows.append(("object backend", "FAIL", f"NIXL is not installed ({exc}): {pip_install('disk')}"))
     endpoint = config.object_endpoint
     if endpoint:
         parsed = urllib.parse.urlsplit(endpoint)

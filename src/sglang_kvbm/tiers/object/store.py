@@ -42,6 +42,7 @@ import torch
 from sglang_kvbm.config import ConfigError
 from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.ports import BlockMeta
+from sglang_kvbm.ops.needs import pip_install
 from sglang_kvbm.tiers.block_objects import sign, tag_of, verify
 from sglang_kvbm.tiers.disk.format import header_bytes_for
 from sglang_kvbm.transfer.host_memory import aligned_empty
@@ -58,6 +59,11 @@ class ObjectSettings(NamedTuple):
     region: Optional[str] = None
     access_key: Optional[str] = None
     secret_key: Optional[str] = None
+
+    def __repr__(self) -> str:  # credentials masked: settings end up in logs and tracebacks
+        shown = (f"{name}={'***' if name in ('access_key', 'secret_key') and value is not None else value!r}"
+                 for name, value in zip(self._fields, self))
+        return f"ObjectSettings({', '.join(shown)})"
 
 
 class ObjectStore:
@@ -108,7 +114,7 @@ class ObjectStore:
                 from nixl._api import nixl_agent, nixl_agent_config
             except ImportError as exc:
                 raise ConfigError(f"the object tier (DYN_KVBM_OBJECT_ENABLED) moves blocks through NIXL, which is "
-                                  f"not installed ({exc}): pip install 'sglang-kvbm[disk]'") from None
+                                  f"not installed ({exc}): {pip_install('disk')}") from None
             for name, value in BOUNDED_RETRIES.items():
                 os.environ.setdefault(name, value)
             try:
