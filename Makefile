@@ -15,7 +15,7 @@ DYNAMO_VENV := .venv-dynamo
 DYNAMO_REQUIREMENTS := requirements/dynamo-1.6.1.txt
 DYNAMO_STAMP := $(DYNAMO_VENV)/.installed
 
-.PHONY: demo test test-fast compat bench gpu-check native asan clean system-deps
+.PHONY: demo test test-fast compat bench gpu-check native asan wheel wheel-check docs stubs clean system-deps
 # The compiled block index (csrc/, nanobind): `pip install` builds it with the package (scikit-build-core),
 # so a change to it reinstalls the package.
 NATIVE_SOURCES := CMakeLists.txt $(wildcard csrc/*)
@@ -45,10 +45,14 @@ demo: $(STAMP)
 TEST_WORKERS ?= 2
 # The two environments install side by side (each its own build directory for the block index): 264 s
 # instead of 489 s one after the other, on a 2-core VM with nothing cached.
-# The block index's own tests (tests/index) run once, under the sanitizers (`make asan`, ~100 s).
+# The block index's own tests (tests/index) run under the sanitizers (`make asan`, ~100 s) and against the
+# repaired wheel in a fresh environment (`make wheel-check`); the rest of the suite runs against that wheel
+# installed into .venv in place of the editable install (a file missing from the wheel or a dependency missing
+# from its metadata fails here); the docs build with warnings as errors.
 test: system-deps
 	$(MAKE) -j2 --output-sync=target $(STAMP) $(DYNAMO_STAMP)
-	$(MAKE) asan
+	$(MAKE) -j2 --output-sync=target asan wheel-check docs
+	$(VENV)/bin/pip install -q --no-deps --force-reinstall $(WHEEL_DIR)/*manylinux*.whl
 	$(VENV)/bin/python -m pytest -q -ra --durations=25 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
 	  --ignore=tests/index tests
 
@@ -84,8 +88,10 @@ compat: system-deps $(STAMP) $(DYNAMO_STAMP) $(COMPAT_0522)/.installed
 	KVBM_TEST_RELEASES="$(DYNAMO_VENV)/bin/python $(COMPAT_0522)/bin/python" \
 	  $(VENV)/bin/python -m pytest -q -ra tests/test_server_releases.py
 
-# Without the tests that start real SGLang servers (a few seconds instead of minutes).
+# Without the tests that start real SGLang servers (a few minutes), on this source tree (the editable install
+# again, if `make test` left the wheel in .venv).
 test-fast: system-deps $(STAMP)
+	$(VENV)/bin/pip install -q --no-deps -e .
 	$(VENV)/bin/python -m pytest -q -ra -m "not server" tests
 
 # All benchmarks with their small CPU defaults (see benchmarks/README.md); about 25 minutes.
@@ -116,6 +122,44 @@ asan: $(STAMP)
 	  UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 KVBM_BLOCKS_SO="$$(ls build/asan/_blocks*.so)" \
 	  $(VENV)/bin/python -m pytest -q -ra -p no:cacheprovider --capture=sys --confcutdir=tests/index tests/index
 
+# The wheel users install: the sdist, then the wheel built from the sdist alone (`python -m build`, without
+# pip's build isolation: the build tools are in .venv), repaired by auditwheel into the oldest manylinux tag its
+# symbols allow. This machine's GCC 12 libstdc++ allows manylinux_2_34; release wheels for manylinux_2_28,
+# cp311-cp313, x86_64 and aarch64 come from cibuildwheel (pyproject.toml, .github/workflows/wheels.yml).
+WHEEL_DIR := dist
+wheel: $(STAMP)
+	rm -rf $(WHEEL_DIR)
+	$(VENV)/bin/python -m build --no-isolation -o $(WHEEL_DIR)/built .
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/auditwheel repair -w $(WHEEL_DIR) $(WHEEL_DIR)/built/*.whl
+	mv $(WHEEL_DIR)/built/*.tar.gz $(WHEEL_DIR)/ && rm -rf $(WHEEL_DIR)/built
+	$(VENV)/bin/auditwheel show $(WHEEL_DIR)/*.whl
+
+# The repaired wheel alone, as a user gets it: a fresh environment with the wheel and its declared dependencies
+# only (no SGLang), the command line, and the block index's tests and fuzz test against the installed wheel.
+# torch is held to .venv's release, so pip takes it from its cache rather than fetching a newer one; the
+# environment (~5.5 GB with torch's CUDA libraries) is removed after the check.
+WHEEL_VENV := build/venv-wheel
+wheel-check: wheel
+	rm -rf $(WHEEL_VENV)
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/pip install -q $(WHEEL_DIR)/*manylinux*.whl 'pytest>=8,<10' 'hypothesis>=6.100,<7' 'nanobind>=2.4' \
+	  "torch==$$($(VENV)/bin/python -c 'import torch; print(torch.__version__.split("+")[0])')"
+	$(WHEEL_VENV)/bin/sglang-kvbm --version
+	$(WHEEL_VENV)/bin/sglang-kvbm --help > /dev/null
+	$(WHEEL_VENV)/bin/sglang-kvbm doctor > $(WHEEL_VENV)/doctor.txt; test $$? -le 1 && ! grep -q Traceback $(WHEEL_VENV)/doctor.txt
+	$(WHEEL_VENV)/bin/python -m pytest -q -p no:cacheprovider --confcutdir=tests/index tests/index
+	rm -rf $(WHEEL_VENV)
+
+# The documentation site (docs/, mkdocs.yml) into build/site: a broken link or anchor, a page missing from the
+# nav, or a configuration reference that no longer matches the code is an error.
+docs: $(STAMP)
+	$(VENV)/bin/python docs/gen_config_reference.py --check
+	$(VENV)/bin/mkdocs build --strict -q
+
+# The block index's type stub, from the installed build (tests/index/test_stub.py fails while it is stale).
+stubs: $(STAMP)
+	$(VENV)/bin/python -m nanobind.stubgen -q -m sglang_kvbm._blocks -o src/sglang_kvbm/_blocks.pyi
+
 # The block index in place (src/sglang_kvbm/_blocks*.so), for this source tree on PYTHONPATH without an install.
 native:
 	cmake -S . -B build/native -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$$(command -v $(GPU_PYTHON))" \
@@ -124,4 +168,4 @@ native:
 	cp build/native/_blocks*.so src/sglang_kvbm/
 
 clean:
-	rm -rf $(VENV) $(DYNAMO_VENV) $(COMPAT_0522) demo-out build src/sglang_kvbm/_blocks*.so
+	rm -rf $(VENV) $(DYNAMO_VENV) $(COMPAT_0522) demo-out build dist src/sglang_kvbm/_blocks*.so

@@ -7,6 +7,11 @@
 namespace nb = nanobind;
 using kvbm::BlockIndex;
 
+// Parameter types in the signatures Python sees (the `_blocks.pyi` stub is generated from them).
+#define IDS "collections.abc.Sequence[str | bytes]"
+#define SLOTS "collections.abc.Sequence[int]"
+#define OBJECTS "collections.abc.Sequence[object]"
+
 namespace {
 
 // Per id of the leading run held by any of ``indexes``: a byte whose bit i says indexes[i] registers it.
@@ -21,7 +26,8 @@ nb::bytes held_by(nb::handle ids, nb::handle index_seq) {
         nb::handle h(given.items[t]);
         const BlockIndex *index = nullptr;
         if (h.is_none() || !nb::try_cast<const BlockIndex *>(h, index) || !index)
-            throw nb::type_error((std::string("held_by: indexes are BlockIndex objects, not ") + Py_TYPE(h.ptr())->tp_name).c_str());
+            throw nb::type_error(
+                (std::string("held_by: indexes are BlockIndex objects, not ") + Py_TYPE(h.ptr())->tp_name).c_str());
         held[count] = nb::borrow(h);
         indexes[count++] = index;
     }
@@ -64,40 +70,55 @@ NB_MODULE(_blocks, m) {
     // An index lives as long as its tier; at interpreter exit some still do (daemon copy threads hold theirs).
     nb::set_leak_warnings(false);
     nb::exception<kvbm::BlockStateError>(m, "BlockStateError", PyExc_RuntimeError);
-    nb::class_<BlockIndex>(m, "BlockIndex", nb::type_slots(index_slots))
+    nb::class_<BlockIndex>(m, "BlockIndex", nb::type_slots(index_slots),
+                           "Which slot of one tier holds which block: states, LRU with pins, payloads.")
         .def(nb::init<int32_t, bool>(), nb::arg("capacity"), nb::arg("all_free") = true)
         .def_prop_ro("capacity", &BlockIndex::capacity)
         .def("__len__", &BlockIndex::size)
-        .def("__contains__", &BlockIndex::registered)
-        .def("holds", &BlockIndex::holds)
-        .def("registered", &BlockIndex::registered)
-        .def("slot", &BlockIndex::slot)
-        .def("slots", &BlockIndex::slots)
-        .def("run", &BlockIndex::run)
-        .def("missing", &BlockIndex::missing)
-        .def("flags", &BlockIndex::flags)
-        .def("reserve", &BlockIndex::reserve)
-        .def("commit", &BlockIndex::commit)
-        .def("restore", &BlockIndex::restore)
-        .def("abort", &BlockIndex::abort)
-        .def("release_orphans", &BlockIndex::release_orphans)
-        .def("touch", &BlockIndex::touch)
-        .def("pin", &BlockIndex::pin)
-        .def("unpin", &BlockIndex::unpin)
-        .def("pinned", [](const BlockIndex &index, nb::handle id) { return index.pins(id) > 0; })
-        .def("pins", &BlockIndex::pins)
-        .def("remove", &BlockIndex::remove, nb::arg("ids"), nb::arg("skip_pinned") = false)
-        .def("drop_slots", &BlockIndex::drop_slots)
+        .def("__contains__", &BlockIndex::registered, nb::sig("def __contains__(self, id: str | bytes, /) -> bool"))
+        .def("holds", &BlockIndex::holds, nb::sig("def holds(self, id: str | bytes, /) -> bool"),
+             "Registered or being written here.")
+        .def("registered", &BlockIndex::registered, nb::sig("def registered(self, id: str | bytes, /) -> bool"))
+        .def("slot", &BlockIndex::slot, nb::sig("def slot(self, id: str | bytes, /) -> int | None"))
+        .def("slots", &BlockIndex::slots, nb::sig("def slots(self, ids: " IDS ", /) -> list[int | None]"))
+        .def("run", &BlockIndex::run, nb::sig("def run(self, ids: " IDS ", /) -> int"),
+             "How many leading ids are registered (the ids after the first miss are not read).")
+        .def("missing", &BlockIndex::missing, nb::sig("def missing(self, ids: " IDS ", /) -> list[int]"),
+             "Positions of the ids neither registered nor being written.")
+        .def("flags", &BlockIndex::flags, nb::sig("def flags(self, ids: " IDS ", /) -> bytes"))
+        .def("reserve", &BlockIndex::reserve,
+             nb::sig("def reserve(self, ids: " IDS ", /) -> tuple[list[int], list[object]]"),
+             "Slots for the leading ids that find one, evicting least recently used blocks: (slots, evicted payloads).")
+        .def("commit", &BlockIndex::commit,
+             nb::sig("def commit(self, slots: " SLOTS ", payloads: " OBJECTS ", /) -> None"),
+             "Register reserved slots, the first most recent.")
+        .def("restore", &BlockIndex::restore,
+             nb::sig("def restore(self, slots: " SLOTS ", ids: " IDS ", payloads: " OBJECTS ", /) -> None"),
+             "Blocks found at start-up into FREE slots, least recently used first.")
+        .def("abort", &BlockIndex::abort, nb::sig("def abort(self, slots: " SLOTS ", /) -> None"))
+        .def("release_orphans", &BlockIndex::release_orphans,
+             nb::sig("def release_orphans(self, slots: " SLOTS ", /) -> None"))
+        .def("touch", &BlockIndex::touch, nb::sig("def touch(self, ids: " IDS ", /) -> None"))
+        .def("pin", &BlockIndex::pin, nb::sig("def pin(self, ids: " IDS ", /) -> list[int]"))
+        .def("unpin", &BlockIndex::unpin, nb::sig("def unpin(self, ids: " IDS ", /) -> None"))
+        .def("pinned", [](const BlockIndex &index, nb::handle id) { return index.pins(id) > 0; },
+             nb::sig("def pinned(self, id: str | bytes, /) -> bool"))
+        .def("pins", &BlockIndex::pins, nb::sig("def pins(self, id: str | bytes, /) -> int"))
+        .def("remove", &BlockIndex::remove, nb::arg("ids"), nb::arg("skip_pinned") = false,
+             nb::sig("def remove(self, ids: " IDS ", skip_pinned: bool = False) -> list[object]"))
+        .def("drop_slots", &BlockIndex::drop_slots, nb::sig("def drop_slots(self, slots: " SLOTS ", /) -> list[object]"))
         .def("forget", &BlockIndex::forget, nb::arg("keep_pinned"))
-        .def("payload", &BlockIndex::payload)
-        .def("payloads", &BlockIndex::payloads)
-        .def("items", &BlockIndex::items)
-        .def("state", &BlockIndex::state)
+        .def("payload", &BlockIndex::payload, nb::sig("def payload(self, slot: int, /) -> object | None"))
+        .def("payloads", &BlockIndex::payloads, nb::sig("def payloads(self, ids: " IDS ", /) -> list[object]"))
+        .def("items", &BlockIndex::items, nb::sig("def items(self) -> list[tuple[int, object]]"))
+        .def("state", &BlockIndex::state, nb::sig("def state(self, slot: int, /) -> int"))
         .def("free_count", &BlockIndex::free_count)
         .def("inflight_count", &BlockIndex::inflight_count)
         .def("pinned_count", &BlockIndex::pinned_count)
         .def("orphan_count", &BlockIndex::orphan_count)
-        .def("set_free", &BlockIndex::set_free)
-        .def("add_free", &BlockIndex::add_free);
-    m.def("held_by", &held_by, nb::arg("ids"), nb::arg("indexes"));
+        .def("set_free", &BlockIndex::set_free, nb::sig("def set_free(self, slots: " SLOTS ", /) -> None"))
+        .def("add_free", &BlockIndex::add_free, nb::sig("def add_free(self, slots: " SLOTS ", /) -> None"));
+    m.def("held_by", &held_by, nb::arg("ids"), nb::arg("indexes"),
+          nb::sig("def held_by(ids: " IDS ", indexes: collections.abc.Sequence[BlockIndex]) -> bytes"),
+          "Per id of the leading run held by any index, a byte whose bit i says indexes[i] registers it.");
 }
