@@ -17,6 +17,10 @@ from sglang_kvbm.tiers import lookups
 from sglang_kvbm.transfer.kv_layout import PagedKvLayout
 from sglang_kvbm.transfer.lanes import LaneExecutor
 
+# Dynamo's environment of this checkout (sglang_kvbm.testing.dynamo_env), also when the package under test is the
+# installed wheel rather than this source tree; the servers the tests start inherit it.
+os.environ.setdefault("DYNAMO_PYTHON", str(Path(__file__).resolve().parents[1] / ".venv-dynamo" / "bin" / "python"))
+
 try:  # what the installed SGLang's seam carries (tests/gpu runs without SGLang)
     from sglang_kvbm.integration.sglang.compat import seam as _seam
 

@@ -20,17 +20,18 @@ import requests
 
 from sglang_kvbm.testing.server import QUICK_STOP, free_port, log_tail, stop_group
 
-_REPO = Path(__file__).resolve().parents[3]
 NAMESPACE_ENDPOINT = "dynamo.backend.generate"  # where dynamo.sglang serves (namespace.component.endpoint)
 
 
 def dynamo_python() -> Path:
-    """The interpreter of Dynamo's environment: ``DYNAMO_PYTHON``, else ``.venv-dynamo/bin/python``.
+    """The interpreter of Dynamo's environment: ``DYNAMO_PYTHON``, else ``.venv-dynamo/bin/python`` under the
+    current directory (a repository checkout; the tests set ``DYNAMO_PYTHON`` to their checkout's: this module
+    may be installed from a wheel, far from any checkout).
 
     (Not an ``SGLANG_KVBM_*`` name: the library refuses unknown variables of its own prefix, and
     the servers the tests start inherit the tests' environment.)
     """
-    return Path(os.environ.get("DYNAMO_PYTHON", _REPO / ".venv-dynamo" / "bin" / "python"))
+    return Path(os.environ.get("DYNAMO_PYTHON", Path.cwd() / ".venv-dynamo" / "bin" / "python"))
 
 
 def require_dynamo() -> Path:
