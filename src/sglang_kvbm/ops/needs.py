@@ -1,6 +1,6 @@
 """What a part of sglang-kvbm needs beyond the base install, and the one line that says how to get it.
 
-The base install (``pip install sglang-kvbm``) brings torch, msgspec,
+The base install (``pip install sglang-kvbm``) brings torch, numpy, packaging, msgspec,
 prometheus-client and xxhash; the rest comes with an extra: SGLang and what it
 brings (``[sglang]``), NIXL (``[disk]``), Mooncake's client and pyzmq
 (``[mooncake]``). A command checks what it needs with :func:`require` before it
