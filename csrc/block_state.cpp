@@ -31,8 +31,7 @@ void BlockIndex::clear_payloads() {
 // Per id, its registered slot or -1 (every id read, so a malformed one refuses the call before it changes
 // anything); returns the position of the first id not registered, or -1.
 Py_ssize_t BlockIndex::registered_slots(nb::handle ids, Slots &out) const {
-    if (PyUnicode_Check(ids.ptr()) || PyBytes_Check(ids.ptr()))
-        throw nb::type_error("expected a sequence of block ids, got one id");
+    refuse_one_id(ids);
     Items it(ids);
     out.resize(size_t(it.n));
     int32_t *slot = out.data();

@@ -119,10 +119,15 @@ inline void slots_of(nb::handle h, int32_t bound, Slots &out) {
     }
 }
 
-// A sequence of block ids into ``out`` (a str or bytes alone is one id, not a sequence: refused).
-inline void keys_of(nb::handle h, Keys &out) {
+// Where a sequence of block ids is expected, a str or bytes alone is one id, not a sequence: refused.
+inline void refuse_one_id(nb::handle h) {
     if (PyUnicode_Check(h.ptr()) || PyBytes_Check(h.ptr()))
         throw nb::type_error("expected a sequence of block ids, got one id");
+}
+
+// A sequence of block ids into ``out``.
+inline void keys_of(nb::handle h, Keys &out) {
+    refuse_one_id(h);
     Items it(h);
     out.reserve(size_t(it.n));
     for (Py_ssize_t i = 0; i < it.n; ++i) out.push_back(parse(it.items[i]));

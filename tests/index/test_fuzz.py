@@ -91,6 +91,14 @@ BAD_IDS = [None, 7, "", "g" * 64, POOL_HEX[0][:63], b"\0" * 31, OddRepr("short")
 BAD_SLOTS = [-1, None, "3", 2**70, 1.0]
 
 
+def outcome(call, *args):
+    """``("returned", value)`` or ``("raised", exception type)``: what the fuzz test compares."""
+    try:
+        return ("returned", call(*args))
+    except Exception as e:  # noqa: BLE001 - the type is what is compared
+        return ("raised", type(e))
+
+
 def id_forms(key: bytes):
     return st.sampled_from([key.hex(), key.hex().upper(), key])
 
@@ -160,14 +168,7 @@ class IndexMachine(RuleBasedStateMachine):
     @staticmethod
     def both(index, model, name, *args):
         """The call on both; what it returned (or None if it raised), the same from each."""
-        try:
-            want = ("returned", getattr(model, name)(*args))
-        except Exception as e:  # noqa: BLE001 - the type is what is compared
-            want = ("raised", type(e))
-        try:
-            got = ("returned", getattr(index, name)(*args))
-        except Exception as e:  # noqa: BLE001
-            got = ("raised", type(e))
+        want, got = outcome(getattr(model, name), *args), outcome(getattr(index, name), *args)
         assert got == want, f"{name}{args!r}: index {got!r}, model {want!r}"
         return want[1] if want[0] == "returned" else None
 
@@ -247,14 +248,7 @@ class IndexMachine(RuleBasedStateMachine):
         indexes, models = {"both": ([host, disk], [host_model, disk_model]), "disk": ([disk], [disk_model]),
                            "none": ([host, None], [host_model, None]), "other": ([host, "x"], [host_model, "x"]),
                            "empty": ([], [])}[shape]
-        try:
-            want = ("returned", model_held_by(ids, models))
-        except Exception as e:  # noqa: BLE001
-            want = ("raised", type(e))
-        try:
-            got = ("returned", held_by(ids, indexes))
-        except Exception as e:  # noqa: BLE001
-            got = ("raised", type(e))
+        want, got = outcome(model_held_by, ids, models), outcome(held_by, ids, indexes)
         assert got == want, f"held_by({ids!r}, {shape}): index {got!r}, model {want!r}"
 
     # -- after every step ------------------------------------------------------------------------------
