@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from common import save_plot, scratch_dir, table, verdict
-from sglang_kvbm.core.ports import BlockMeta
+from sglang_kvbm.core.pages import one_page
 from sglang_kvbm.tiers.disk.setup import probe
 from sglang_kvbm.tiers.disk.store import DiskStore
 from sglang_kvbm.transfer.host_memory import aligned_empty
@@ -58,7 +58,7 @@ def fill(store: DiskStore, page_size: int) -> int:
     while written < store.num_slots:
         ids = [f"{i:064x}" for i in range(written, min(store.num_slots, written + WRITE_BATCH))]
         reserved, _ = store.reserve(ids)
-        metas = [BlockMeta(b, tuple(range(page_size))) for b in ids]
+        metas = [one_page(b, tuple(range(page_size))) for b in ids]
         rows[0, :8] = torch.frombuffer(bytearray(written.to_bytes(8, "little")), dtype=torch.uint8)  # bytes differ
         store.commit(reserved, store.write(reserved, metas, [rows[i] for i in range(len(reserved))]))
         written += len(reserved)

@@ -28,7 +28,8 @@ import torch
 
 from common import table, verdict
 from sglang_kvbm.core.identity import chain_hashes
-from sglang_kvbm.core.ports import BlockMeta, StoreRequest
+from sglang_kvbm.core.pages import one_page
+from sglang_kvbm.core.ports import StoreRequest
 from sglang_kvbm.tiers.manager import LocalBlockManager
 from sglang_kvbm.transfer.kv_layout import PagedKvLayout
 from sglang_kvbm.transfer.layer_counter import LayerCounter
@@ -68,7 +69,7 @@ def main() -> None:
     manager = LocalBlockManager(layout, n, pin=dev == "cuda")
     ids = tuple(chain_hashes(list(range(n * ps)), ps))
     source = torch.arange(ps, (n + 1) * ps, device=dev)  # pages 1..n hold the prefix
-    manager.store(StoreRequest(ids, source, lambda positions: [BlockMeta(ids[p]) for p in positions], ready_now(dev)))
+    manager.store(StoreRequest(ids, source, lambda positions: [one_page(ids[p]) for p in positions], ready_now(dev)))
     assert manager.wait(timeout=120)
     manager.poll()
     target_slots = torch.arange((n + 1) * ps, (2 * n + 1) * ps, device=dev)  # where the load lands

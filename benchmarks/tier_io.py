@@ -43,7 +43,8 @@ import torch
 
 from common import save_plot, table, verdict
 from sglang_kvbm.core.identity import chain_hashes
-from sglang_kvbm.core.ports import BlockMeta, StoreRequest
+from sglang_kvbm.core.pages import one_page
+from sglang_kvbm.core.ports import StoreRequest
 from sglang_kvbm.tiers.disk.nixl_io import NixlFileIO
 from sglang_kvbm.tiers.disk.setup import probe
 from sglang_kvbm.tiers.disk.store import DiskStore
@@ -131,7 +132,7 @@ def main(argv=None) -> int:
     root = Path(args.dir or tempfile.mkdtemp(prefix="kvbm-bench-"))
     tokens = list(range(n * ps))
     ids = tuple(chain_hashes(tokens, ps))
-    metas = [BlockMeta(b, tuple(tokens[k * ps : (k + 1) * ps])) for k, b in enumerate(ids)]
+    metas = [one_page(b, tuple(tokens[k * ps : (k + 1) * ps])) for k, b in enumerate(ids)]
     slots = torch.arange(ps, (n + 1) * ps, device=args.device)  # device pages 1..n
     targets = index(range(n + 1, 2 * n + 1), args.device)
 

@@ -3,6 +3,7 @@
 #include <nanobind/nanobind.h>
 
 #include "block_index.h"
+#include "pages.h"
 
 namespace nb = nanobind;
 using kvbm::BlockIndex;
@@ -66,7 +67,7 @@ PyType_Slot index_slots[] = {
 }  // namespace
 
 NB_MODULE(_blocks, m) {
-    m.doc() = "The compiled block index of each tier (see csrc/block_index.h).";
+    m.doc() = "The compiled block index of each tier (csrc/block_index.h) and page records (csrc/pages.h).";
     // An index lives as long as its tier; at interpreter exit some still do (daemon copy threads hold theirs).
     nb::set_leak_warnings(false);
     nb::exception<kvbm::BlockStateError>(m, "BlockStateError", PyExc_RuntimeError);
@@ -121,4 +122,5 @@ NB_MODULE(_blocks, m) {
     m.def("held_by", &held_by, nb::arg("ids"), nb::arg("indexes"),
           nb::sig("def held_by(ids: " IDS ", indexes: collections.abc.Sequence[BlockIndex]) -> bytes"),
           "Per id of the leading run held by any index, a byte whose bit i says indexes[i] registers it.");
+    kvbm::bind_pages(m);
 }

@@ -9,7 +9,8 @@ import torch
 from conftest import RecordingSink
 from sglang_kvbm.core.connector import KvbmConnector
 from sglang_kvbm.core.identity import chain_hashes
-from sglang_kvbm.core.ports import BlockMeta, StoreRequest
+from sglang_kvbm.core.pages import one_page
+from sglang_kvbm.core.ports import StoreRequest
 from sglang_kvbm.core.tiers import Tier
 from sglang_kvbm.tiers.manager import LocalBlockManager
 from sglang_kvbm.transfer import copies
@@ -32,7 +33,7 @@ def request(tokens, pages) -> StoreRequest:
     ids = tuple(chain_hashes(tokens, PAGE))
 
     def describe(positions):
-        return [BlockMeta(ids[p], tuple(tokens[p * PAGE : (p + 1) * PAGE]), None, ids[p - 1] if p else None)
+        return [one_page(ids[p], tuple(tokens[p * PAGE : (p + 1) * PAGE]), parent_id=ids[p - 1] if p else None)
                 for p in positions]
 
     slots = torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages])

@@ -13,7 +13,7 @@ import logging
 import pytest
 import torch
 
-from sglang_kvbm.core.ports import BlockMeta, EventIdentity
+from sglang_kvbm.core.pages import one_page
 from sglang_kvbm.tiers.disk.format import BlockHeader, decode_header, encode_header, header_bytes_for
 from sglang_kvbm.tiers.disk.store import DiskStore
 from test_disk_tier import disk_stored, load_exact, on_disk_only, push_out_of_host
@@ -105,7 +105,7 @@ def test_a_block_that_does_not_fit_leaves_the_rest_of_its_write(tmp_path):
         for i in range(3):
             rows[i].fill_(i + 1)
         metas = [
-            BlockMeta(f"{i:064x}", tuple(range(16)), EventIdentity(i, None, "x" * (5000 if i == 1 else 8)), None)
+            one_page(f"{i:064x}", tuple(range(16)), event_hash=i, cache_salt="x" * (5000 if i == 1 else 8))
             for i in range(3)
         ]
         reserved, _ = store.reserve([m.block_id for m in metas])

@@ -143,13 +143,14 @@ def test_same_stream_out_as_the_scanning_implementation():
 
 
 def _metas(hashes, parent, *, salt=None, lora=None, bigram=False, links=None):
-    from sglang_kvbm.core.ports import BlockMeta, EventIdentity
+    from sglang_kvbm.core.pages import one_page
 
     out = []
     for n, h in enumerate(hashes):
         link = (links or {}).get(n, hashes[n - 1] if n else parent)
         tokens = tuple(range(h * 10, h * 10 + 4 + bigram))
-        out.append(BlockMeta(f"id{h}", tokens, EventIdentity(h, link, salt, lora, bigram), f"id{link}"))
+        out.append(one_page(f"id{h}", tokens, parent_id=f"id{link}", event_hash=h, event_parent=link,
+                            cache_salt=salt, lora_name=lora, bigram=bigram))
     return out
 
 
@@ -158,7 +159,7 @@ def test_sink_publishes_a_copy_in_one_event_exactly_as_sglangs_recorder_coalesce
     from sglang.srt.disaggregation.kv_events import StorageMedium
     from sglang.srt.mem_cache.events import KVCacheEventRecorder
 
-    from sglang_kvbm.core.ports import BlockMeta
+    from sglang_kvbm.core.pages import one_page
     from sglang_kvbm.core.tiers import Tier
     from sglang_kvbm.integration.sglang.events import SglangEventSink
 
@@ -167,7 +168,7 @@ def test_sink_publishes_a_copy_in_one_event_exactly_as_sglangs_recorder_coalesce
         _metas([5, 6, 7], 4, salt="s", lora="l"),  # namespaced
         _metas([8, 9, 10], 7, links={2: 1}),  # a broken link: two events
         _metas([11, 12], 10, bigram=True),  # EAGLE pairs: page by page
-        _metas([13, 14], 12) + [BlockMeta("x", (1, 2, 3, 4), None, "id14")],  # a page without identity
+        _metas([13, 14], 12) + [one_page("x", (1, 2, 3, 4), parent_id="id14")],  # a page without identity
         _metas([15], None) + _metas([16], 15, salt="other"),  # two namespaces
     ]
     for metas in cases:
@@ -175,15 +176,15 @@ def test_sink_publishes_a_copy_in_one_event_exactly_as_sglangs_recorder_coalesce
         sink.stored(Tier.HOST, metas)
         reference = KVCacheEventRecorder(enabled=True, page_size=4)
         for meta in metas:
-            if meta.event is None:
+            if meta.event_hash is None:
                 continue
             tokens = list(meta.token_ids)
-            if meta.event.bigram:
+            if meta.bigram:
                 tokens = list(zip(tokens[:-1], tokens[1:]))
             reference.enqueue(block_stored(
-                block_hashes=[meta.event.block_hash], parent_block_hash=meta.event.parent_block_hash,
+                block_hashes=[meta.event_hash], parent_block_hash=meta.event_parent,
                 token_ids=tokens, block_size=len(tokens), lora_id=None, medium=StorageMedium.CPU,
-                cache_salt=meta.event.cache_salt, lora_name=meta.event.lora_name))
+                cache_salt=meta.cache_salt, lora_name=meta.lora_name))
         assert sink.take() == reference.take()
     sink = SglangEventSink(True, 4)
     sink.stored(Tier.DISK, cases[0])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sglang_kvbm.core.identity import chain_hashes
-from sglang_kvbm.core.ports import BlockMeta
+from sglang_kvbm.core.pages import one_page
 from sglang_kvbm.tiers.host.pool import HostBlockPool
 from sglang_kvbm.transfer.host_memory import aligned_empty
 
@@ -157,7 +157,7 @@ def test_a_host_row_pinned_by_two_holders_is_reused_only_after_both_let_go():
     x, y, z, w = chain_hashes(list(range(4)), 1)
     pool = HostBlockPool(aligned_empty((2, 4096)))
     rows, _ = pool.reserve([x])
-    pool.commit([BlockMeta(x, (1, 2), None, None)], rows)
+    pool.commit([one_page(x, (1, 2))], rows)
     held = pool.pin([x])  # the disk write
     assert pool.pin([x]) == held  # the G4 write
     pool.forget()

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from sglang_kvbm.core.ports import BlockMeta, EventIdentity
+from sglang_kvbm.core.pages import one_page
 from sglang_kvbm.testing.mooncake import MooncakeCluster
 from sglang_kvbm.tiers.mooncake import listeners
 from sglang_kvbm.tiers.mooncake.store import G4Settings, G4Store, key_prefix, object_suffix
@@ -49,7 +49,7 @@ class Worker:
         metas = []
         for i, (block_id, seed) in enumerate(blocks.items()):
             self.rows[i].copy_(torch.randint(0, 256, (BLOCK,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)))
-            metas.append(BlockMeta(block_id, tuple(range(seed, seed + PAGE)), EventIdentity(seed, None), None))
+            metas.append(one_page(block_id, tuple(range(seed, seed + PAGE)), event_hash=seed))
         return self.store.write(metas, list(self.rows[: len(metas)]), list(self.headers[: len(metas)]))
 
     def read(self, block_ids: list[str]):
@@ -120,7 +120,7 @@ def test_a_write_goes_under_the_identity_it_names_and_a_closed_store_stays_close
     a, old, new = Worker(cluster), Worker(cluster), Worker(cluster, fingerprint=bytes(16))
     a.store.rekey(bytes(16))
     a.rows[0].copy_(expected(1))
-    meta = BlockMeta("p0", tuple(range(1, 1 + PAGE)), EventIdentity(1, None), None)
+    meta = one_page("p0", tuple(range(1, 1 + PAGE)), event_hash=1)
     assert a.store.write([meta], [a.rows[0]], [a.headers[0]], fingerprint=IDENTITY) == [True]
     assert a.store.contains(["p0"], IDENTITY) == [True] and a.store.contains(["p0"]) == [False]
     assert new.store.contains(["p0"]) == [False]

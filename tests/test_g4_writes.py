@@ -20,7 +20,8 @@ from concurrent.futures import wait
 import pytest
 import torch
 
-from sglang_kvbm.core.ports import BlockMeta, StoreRequest
+from sglang_kvbm.core.pages import one_page
+from sglang_kvbm.core.ports import StoreRequest
 from sglang_kvbm.testing.mooncake import MooncakeCluster
 from sglang_kvbm.tiers.disk.setup import probe
 from sglang_kvbm.tiers.disk.store import DiskStore
@@ -103,7 +104,7 @@ def store(manager, block_id: str, page: int, seed: int) -> torch.Tensor:
     layout = manager.layout
     layout.write_page(page, torch.randint(0, 256, (layout.page_bytes,), dtype=torch.uint8,
                                           generator=torch.Generator().manual_seed(seed)))
-    meta = BlockMeta(block_id, tuple(range(seed, seed + PAGE)), None, None)
+    meta = one_page(block_id, tuple(range(seed, seed + PAGE)))
     manager.store(StoreRequest((block_id,), torch.arange(page * PAGE, (page + 1) * PAGE), lambda positions: [meta]))
     wait(manager.offloads.futures())
     manager.poll()

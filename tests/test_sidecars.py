@@ -11,7 +11,8 @@ import random
 
 import torch
 
-from sglang_kvbm.core.ports import BlockMeta, StoreRequest
+from sglang_kvbm.core.pages import one_page
+from sglang_kvbm.core.ports import StoreRequest
 from sglang_kvbm.tiers.manager import LocalBlockManager
 from sglang_kvbm.tiers.sidecars import SidecarStores
 from sglang_kvbm.transfer.kv_layout import PagedKvLayout
@@ -31,7 +32,7 @@ def store(stores: SidecarStores, held: dict[str, list[str]]) -> None:
     requests = {}
     for name, ids in held.items():
         if ids:
-            requests[name] = StoreRequest(tuple(ids), torch.arange(len(ids)), lambda pos, ids=ids: [BlockMeta(ids[i]) for i in pos])
+            requests[name] = StoreRequest(tuple(ids), torch.arange(len(ids)), lambda pos, ids=ids: [one_page(ids[i]) for i in pos])
     stores.store(requests)
     for m in stores.managers.values():
         assert m.wait(10)
@@ -62,7 +63,7 @@ def test_an_offload_completes_when_every_part_did_and_fails_if_one_failed():
     stores.store({})  # an offload without sidecar parts completes at once
     assert stores.completed() == 1 and stores.pop()
     too_many = [bid(f"x{i}") for i in range(6)]  # more blocks than the host tier holds: the part fails
-    stores.store({"swa": StoreRequest(tuple(too_many), torch.arange(6), lambda pos: [BlockMeta(too_many[i]) for i in pos])})
+    stores.store({"swa": StoreRequest(tuple(too_many), torch.arange(6), lambda pos: [one_page(too_many[i]) for i in pos])})
     stores.managers["swa"].wait(10)
     assert stores.completed() == 1 and stores.pop() is False
     stores.close()

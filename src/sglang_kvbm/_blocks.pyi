@@ -1,4 +1,6 @@
-"""The compiled block index of each tier (see csrc/block_index.h)."""
+"""
+The compiled block index of each tier (csrc/block_index.h) and page records (csrc/pages.h).
+"""
 
 from collections.abc import Sequence
 
@@ -94,3 +96,106 @@ def held_by(ids: Sequence[str | bytes], indexes: Sequence[BlockIndex]) -> bytes:
     """
     Per id of the leading run held by any index, a byte whose bit i says indexes[i] registers it.
     """
+
+class PageIdentityError(RuntimeError):
+    pass
+
+class Pages:
+    """
+    One node's pages: block ids, token ids, parent, KV-event ids (csrc/pages.h).
+    """
+
+    def __init__(self, ids: Sequence[str], token_ids: Sequence[int], page_size: int, parent_id: str | None = None, bigram: bool = False, event_hashes: Sequence[int] | None = None, event_parent: int | None = None, cache_salt: str | None = None, lora_name: str | None = None) -> None: ...
+
+    def __len__(self) -> int: ...
+
+    @property
+    def ids(self) -> tuple[str, ...]: ...
+
+    @property
+    def page_size(self) -> int: ...
+
+    @property
+    def start(self) -> int:
+        """
+        Where ``describe`` found the node on its inserted key, in pages (0 for other records).
+        """
+
+    @property
+    def bigram(self) -> bool: ...
+
+    @property
+    def events(self) -> bool: ...
+
+    def page(self, index: int) -> Page: ...
+
+    def views(self, positions: Sequence[int] | None = None) -> list[Page]:
+        """
+        A view of each page at ``positions`` (all by default), made in one call.
+        """
+
+    def with_events(self, event_hashes: Sequence[int], event_parent: int | None, cache_salt: str | None, lora_name: str | None) -> Pages:
+        """The same pages with these KV-event ids (keys SGLang namespaces)."""
+
+class Page:
+    """Page ``index`` of a ``Pages`` record: what a tier keeps about a page."""
+
+    @property
+    def pages(self) -> Pages: ...
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def block_id(self) -> str: ...
+
+    @property
+    def parent_id(self) -> str | None:
+        """
+        The block id of the page before this one in its sequence (None for a first page).
+        """
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """Its token ids (one more for an EAGLE bigram page)."""
+
+    @property
+    def event_hash(self) -> int | None:
+        """Its KV-event block hash (None: not announced)."""
+
+    @property
+    def event_parent(self) -> int | None:
+        """Its parent's KV-event block hash."""
+
+    @property
+    def cache_salt(self) -> str | None: ...
+
+    @property
+    def lora_name(self) -> str | None: ...
+
+    @property
+    def bigram(self) -> bool: ...
+
+    def __eq__(self, other: object, /) -> bool: ...
+
+    def __hash__(self) -> int: ...
+
+    def __repr__(self) -> str: ...
+
+def describe(tokens: Sequence[int], length: int, page_size: int, bigram: bool, seed: bytes | None, keys: Sequence[str], events: bool) -> Pages:
+    """
+    The record of a node whose storage keys are ``keys``, from the key it was inserted with (``tokens``, ``length`` tokens in full pages, chained from ``seed``); PageIdentityError if the keys are not on it. Hashes without the GIL. ``events``: the KV-event ids are the keys' (keys SGLang does not namespace).
+    """
+
+def stored_run(pages: Sequence[Page]) -> tuple[list[int], int | None, list[int], str | None, str | None] | None:
+    """
+    One BlockStored's fields for pages that form one chain of one namespace, else None.
+    """
+
+def event_hashes(pages: Sequence[Page]) -> list[int]:
+    """The KV-event block hashes of the pages that have one."""
+
+def sha256_impl() -> str: ...
+
+def sha256(data: bytes, portable: bool = False) -> bytes:
+    """SHA-256 of ``data`` (for tests: either implementation)."""

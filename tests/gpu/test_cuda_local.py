@@ -16,7 +16,8 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 from sglang_kvbm.core.identity import chain_hashes  # noqa: E402
-from sglang_kvbm.core.ports import BlockMeta, StoreRequest  # noqa: E402
+from sglang_kvbm.core.pages import one_page  # noqa: E402
+from sglang_kvbm.core.ports import StoreRequest  # noqa: E402
 from sglang_kvbm.tiers.manager import LocalBlockManager  # noqa: E402
 from sglang_kvbm.transfer import cuda_copies  # noqa: E402
 from sglang_kvbm.transfer.indexes import index  # noqa: E402
@@ -46,7 +47,7 @@ def request(pages, ready=None, page=PAGE, slots=None):
         event = torch.cuda.Event()
         event.record()
         ready = (event,)
-    return StoreRequest(ids, slots, lambda positions: [BlockMeta(ids[p]) for p in positions], ready)
+    return StoreRequest(ids, slots, lambda positions: [one_page(ids[p]) for p in positions], ready)
 
 
 def load(manager, layout, ids, targets, slots=None):

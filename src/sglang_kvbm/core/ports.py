@@ -8,39 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 from sglang_kvbm.core.identity import BlockId
+from sglang_kvbm.core.pages import Page
 from sglang_kvbm.core.tiers import Tier
-
-
-class EventIdentity(NamedTuple):
-    """How KV events name a page: Dynamo's router links blocks by these ids.
-
-    The adapter computes these with the engine's own event code, so a page
-    carries the same ``block_hash`` in every tier it is published from.
-    """
-
-    block_hash: int
-    parent_block_hash: Optional[int]
-    cache_salt: Optional[str] = None
-    lora_name: Optional[str] = None
-    bigram: bool = False  # EAGLE keys: the page's events carry (token, next token) pairs, its meta one token more
-
-
-class BlockMeta(NamedTuple):
-    """Everything a tier keeps about a page besides its bytes.
-
-    ``parent_id`` is the block id of the page before it in its sequence (None
-    for a first page): a block is only worth holding if its parent is held too.
-    A named tuple: one is built per stored page on a copy thread, holding the GIL
-    (1 us, against 2 for a frozen dataclass).
-    """
-
-    block_id: BlockId
-    token_ids: tuple[int, ...] = ()
-    event: Optional[EventIdentity] = None
-    parent_id: Optional[BlockId] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,13 +21,14 @@ class StoreRequest:
 
     ``pages`` is the engine's handle on the device pages (for SGLang, the node's
     token slots); ``ready`` what a copy must wait for before it reads them (the
-    forward's CUDA events). ``describe(positions)`` builds the metas of the pages
-    at those positions; it runs on a copy thread, never the scheduler's.
+    forward's CUDA events). ``describe(positions)`` returns the pages at those
+    positions (``core.pages``: views of one record of the node, built in one
+    compiled call); it runs on a copy thread, never the scheduler's.
     """
 
     block_ids: tuple[BlockId, ...]
     pages: Any
-    describe: Callable[[Sequence[int]], list[BlockMeta]]
+    describe: Callable[[Sequence[int]], list[Page]]
     ready: tuple = ()
 
 
@@ -76,7 +49,7 @@ class TierEvent:
 
     kind: TierEventKind
     tier: str
-    blocks: tuple[BlockMeta, ...]
+    blocks: tuple[Page, ...]
     source: Optional[str] = None
     medium: Optional[Tier] = None
 
@@ -172,6 +145,6 @@ class EventSink(Protocol):
     ``stored`` call for a block always comes after its parent's (in some tier).
     """
 
-    def stored(self, tier: Tier, blocks: Sequence[BlockMeta]) -> None: ...
+    def stored(self, tier: Tier, blocks: Sequence[Page]) -> None: ...
 
-    def removed(self, tier: Tier, blocks: Sequence[BlockMeta]) -> None: ...
+    def removed(self, tier: Tier, blocks: Sequence[Page]) -> None: ...

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from sglang_kvbm.core.identity import BlockId
-from sglang_kvbm.core.ports import BlockMeta
+from sglang_kvbm.core.pages import Page
 from sglang_kvbm.tiers.disk.format import BlockHeader, HeaderTooLarge, checksum, decode_header, encode_header
 
 TAG_PREFIX = "kvbm-"  # every tag this library names objects under starts so
@@ -26,7 +26,7 @@ def tag_of(fingerprint: bytes) -> str:
     return TAG_PREFIX + fingerprint.hex()[:16]
 
 
-def sign(meta: BlockMeta, row: torch.Tensor, header: torch.Tensor, fingerprint: bytes) -> bool:
+def sign(meta: Page, row: torch.Tensor, header: torch.Tensor, fingerprint: bytes) -> bool:
     """Write ``meta``'s header for ``row`` into ``header``; False when it does not fit (the block is not shared)."""
     try:
         encode_header(BlockHeader.of(meta, checksum(row), fingerprint), header)
@@ -36,7 +36,7 @@ def sign(meta: BlockMeta, row: torch.Tensor, header: torch.Tensor, fingerprint: 
 
 
 def verify(block_id: BlockId, row: torch.Tensor, header: torch.Tensor, fingerprint: bytes
-           ) -> tuple[Optional[BlockMeta], Optional[str]]:
+           ) -> tuple[Optional[Page], Optional[str]]:
     """``(meta, None)`` when the object read into ``header`` and ``row`` is this block under this identity, else
     ``(None, why)``."""
     decoded = decode_header(header)

@@ -39,7 +39,8 @@ from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence
 from sglang_kvbm._blocks import BlockIndex
 from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.onboard_policy import LinearCostMeter
-from sglang_kvbm.core.ports import BlockMeta, TierCounts, TierEvent
+from sglang_kvbm.core.pages import Page
+from sglang_kvbm.core.ports import TierCounts, TierEvent
 from sglang_kvbm.core.tiers import Tier
 
 
@@ -78,7 +79,7 @@ class LowerTier(Protocol):
 
         ``urgent``: a lookup waits for it (ahead of prefetches)."""
 
-    def finish_read(self, read: Read, block_ids: Sequence[BlockId], current: bool) -> list[Optional[BlockMeta]]:
+    def finish_read(self, read: Read, block_ids: Sequence[BlockId], current: bool) -> list[Optional[Page]]:
         """Scheduler thread, ``read`` done: each block's verified meta, None for a miss (all None unless
         ``current``: the tiers were reset meanwhile)."""
 
@@ -91,7 +92,7 @@ class LowerTier(Protocol):
     def stalled(self) -> bool:
         """Do not start reads now: it is marked down, or a read of it has run much longer than one should."""
 
-    def offer(self, metas: Sequence[BlockMeta]) -> None:
+    def offer(self, metas: Sequence[Page]) -> None:
         """Host blocks just registered in host, or reused from it: write those the tier's filter takes."""
 
     def bind(self, emit: Callable[[TierEvent], None]) -> None:
@@ -106,7 +107,7 @@ class LowerTier(Protocol):
     def in_flight(self) -> list[Future]:
         """Its writes under way (reads are the staging's)."""
 
-    def registered_metas(self) -> list[BlockMeta]:
+    def registered_metas(self) -> list[Page]:
         """Every block it holds that it announced (a drop announces their removal)."""
 
     def rekey(self, how: str) -> None:

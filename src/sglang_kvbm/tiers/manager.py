@@ -29,7 +29,8 @@ from typing import Optional, Protocol, Sequence
 
 from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.onboard_policy import OnboardPolicy
-from sglang_kvbm.core.ports import BlockMeta, PollResult, StoreRequest, TierCounts, TierEvent, TierEventKind
+from sglang_kvbm.core.pages import Page
+from sglang_kvbm.core.ports import PollResult, StoreRequest, TierCounts, TierEvent, TierEventKind
 from sglang_kvbm.core.tiers import Tier
 from sglang_kvbm.tiers.host.pool import HostBlockPool
 from sglang_kvbm.tiers.lookups import LoadPlan, TierReads
@@ -108,7 +109,7 @@ class LocalBlockManager:
     def store(self, request: StoreRequest) -> int:
         return self.offloads.store(request)
 
-    def _offer(self, metas: Sequence[BlockMeta]) -> None:
+    def _offer(self, metas: Sequence[Page]) -> None:
         """Host blocks just registered, or reused by a load: to every lower tier, as its filter decides."""
         for tier in self.tiers.values():
             tier.offer(metas)

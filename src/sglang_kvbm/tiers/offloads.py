@@ -30,7 +30,8 @@ from itertools import compress
 from typing import Callable, Optional, Sequence
 
 from sglang_kvbm.core.identity import BlockId
-from sglang_kvbm.core.ports import BlockMeta, StoreRequest, TierEvent, TierEventKind
+from sglang_kvbm.core.pages import Page
+from sglang_kvbm.core.ports import StoreRequest, TierEvent, TierEventKind
 from sglang_kvbm.core.tiers import Tier
 from sglang_kvbm.transfer import copies
 from sglang_kvbm.transfer.lanes import LaneExecutor
@@ -81,7 +82,7 @@ class Offloads:
         self._done: list[tuple[int, bool]] = []
         self._generation = 0
 
-    def _removed(self, tier: str, metas: Sequence[BlockMeta]) -> None:
+    def _removed(self, tier: str, metas: Sequence[Page]) -> None:
         if metas:
             self._emit(TierEvent(TierEventKind.REMOVED, tier, tuple(metas), None, MEDIA[tier]))
 
@@ -170,7 +171,7 @@ class Offloads:
             reachable = len(registered)
         return reachable == len(metas)
 
-    def _reachable(self, metas: Sequence[BlockMeta], ids: set) -> int:
+    def _reachable(self, metas: Sequence[Page], ids: set) -> int:
         """How many leading pages have their parent in this copy or held below (registered or on its way).
 
         Only pages whose parent is outside the copy (usually the first alone) are looked up; finding them is C."""

@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from typing import Callable, Optional, Sequence
 
 from sglang_kvbm.core.identity import BlockId
-from sglang_kvbm.core.ports import BlockMeta
+from sglang_kvbm.core.pages import Page
 from sglang_kvbm.tiers.lower import Read
 
 logger = logging.getLogger(__name__)
@@ -23,7 +23,7 @@ STALLED_S = 1.0  # a read running longer than this pauses new ones
 
 
 def read_leading(store, block_ids: Sequence[BlockId], slab, headers, rows: Sequence[int]
-                 ) -> tuple[list[Optional[BlockMeta]], float]:
+                 ) -> tuple[list[Optional[Page]], float]:
     """On the tier's thread: the leading blocks ``store`` holds, read into staging ``rows`` and verified; a meta
     per block, None for a miss."""
     started = time.perf_counter()
@@ -52,7 +52,7 @@ class RemoteReads:
         return Read(future)
 
     def finish(self, read: Read, block_ids: Sequence[BlockId], current: bool
-               ) -> tuple[list[Optional[BlockMeta]], float]:
+               ) -> tuple[list[Optional[Page]], float]:
         """Each block's verified meta (all None if it failed, or the tiers were reset meanwhile), and its seconds."""
         self._started.pop(read.future, None)
         try:

@@ -30,7 +30,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from sglang_kvbm.core.ports import BlockMeta, StoreRequest
+from sglang_kvbm.core.pages import Page
+from sglang_kvbm.core.ports import StoreRequest
 from sglang_kvbm.transfer.indexes import index, run_start, to_device
 from sglang_kvbm.transfer.kv_layout import PagedKvLayout
 
@@ -45,7 +46,7 @@ def _pages(layout: PagedKvLayout, request: StoreRequest, positions: Sequence[int
     return pages
 
 
-def device_to_host(layout, stream, request: StoreRequest, positions, slab, rows) -> tuple[list[BlockMeta], float]:
+def device_to_host(layout, stream, request: StoreRequest, positions, slab, rows) -> tuple[list[Page], float]:
     """Device pages into host rows; returns the pages' metas (built here, off the scheduler thread)."""
     started = time.perf_counter()
     with layout.copying(stream, request.ready):
@@ -54,7 +55,7 @@ def device_to_host(layout, stream, request: StoreRequest, positions, slab, rows)
     return request.describe(positions), seconds
 
 
-def device_to_disk(layout, stream, disk, request: StoreRequest, positions, reserved) -> tuple[list[BlockMeta], list, float]:
+def device_to_disk(layout, stream, disk, request: StoreRequest, positions, reserved) -> tuple[list[Page], list, float]:
     """Device pages to disk slots through the writer's staging rows (when no host row was free)."""
     started = time.perf_counter()
     metas = request.describe(positions)

@@ -10,32 +10,13 @@ so one stream per worker carries every tier in the order things happened.
 
 from __future__ import annotations
 
-import operator
-from itertools import chain
 from typing import Sequence
 
 from sglang.srt.disaggregation.kv_events import BlockRemoved, StorageMedium
 
-from sglang_kvbm.core.ports import BlockMeta
+from sglang_kvbm.core.pages import Page, event_hashes, stored_run
 from sglang_kvbm.core.tiers import Tier
 from sglang_kvbm.integration.sglang.compat import block_stored, event_recorder
-
-_event = operator.attrgetter("event")
-_hash = operator.attrgetter("block_hash")
-_parent = operator.attrgetter("parent_block_hash")
-_tokens = operator.attrgetter("token_ids")
-_namespace = operator.attrgetter("cache_salt", "lora_name", "bigram")
-
-
-def _one_chain(idents: list) -> bool:
-    """Every page has an identity, none is an EAGLE bigram page, one namespace, each page's parent the one
-    before: what SGLang's recorder would coalesce into one event (each test a C-level pass)."""
-    if None in idents:
-        return False
-    namespaces = set(map(_namespace, idents))
-    if len(namespaces) != 1 or next(iter(namespaces))[2]:
-        return False
-    return all(map(operator.eq, map(_parent, idents[1:]), map(_hash, idents)))
 
 
 class SglangEventSink:
@@ -48,42 +29,40 @@ class SglangEventSink:
     def enabled(self) -> bool:
         return self._queue.enabled
 
-    def stored(self, tier: Tier, blocks: Sequence[BlockMeta]) -> None:
+    def stored(self, tier: Tier, blocks: Sequence[Page]) -> None:
         if not self.enabled or not blocks:
             return
         medium = StorageMedium(tier.medium)
-        idents = list(map(_event, blocks))
-        if _one_chain(idents):  # a copy's pages: one event for all of them, built in C
-            first = idents[0]
-            tokens = list(chain.from_iterable(map(_tokens, blocks)))
+        run = stored_run(blocks)
+        if run is not None:  # a copy's pages: one chain of one namespace, one event, its fields read in C++
+            hashes, parent, tokens, salt, lora = run
             self._queue.enqueue(block_stored(
-                block_hashes=list(map(_hash, idents)), parent_block_hash=first.parent_block_hash, token_ids=tokens,
-                block_size=len(tokens) // len(blocks), lora_id=None, medium=medium, cache_salt=first.cache_salt,
-                lora_name=first.lora_name))
+                block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=len(tokens) // len(hashes),
+                lora_id=None, medium=medium, cache_salt=salt, lora_name=lora))
             return
-        for meta, ident in zip(blocks, idents):
-            if ident is None:
+        for page in blocks:
+            if page.event_hash is None:
                 continue
-            tokens = meta.token_ids
-            if ident.bigram:  # as SGLang's recorder publishes EAGLE pages: (token, next token) pairs
+            tokens = page.token_ids
+            if page.bigram:  # as SGLang's recorder publishes EAGLE pages: (token, next token) pairs
                 tokens = list(zip(tokens[:-1], tokens[1:]))
             self._queue.enqueue(
                 block_stored(
-                    block_hashes=[ident.block_hash],
-                    parent_block_hash=ident.parent_block_hash,
+                    block_hashes=[page.event_hash],
+                    parent_block_hash=page.event_parent,
                     token_ids=list(tokens),
                     block_size=len(tokens),
                     lora_id=None,
                     medium=medium,
-                    cache_salt=ident.cache_salt,
-                    lora_name=ident.lora_name,
+                    cache_salt=page.cache_salt,
+                    lora_name=page.lora_name,
                 )
             )
 
-    def removed(self, tier: Tier, blocks: Sequence[BlockMeta]) -> None:
+    def removed(self, tier: Tier, blocks: Sequence[Page]) -> None:
         if not self.enabled:
             return
-        hashes = list(map(_hash, filter(None, map(_event, blocks))))
+        hashes = event_hashes(blocks)
         if hashes:
             self._queue.enqueue(BlockRemoved(block_hashes=hashes, medium=StorageMedium(tier.medium)))
 

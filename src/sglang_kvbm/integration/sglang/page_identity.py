@@ -3,9 +3,16 @@
 SGLang's tree hands the linker a node's storage keys and device slots, not its
 tokens. The tokens come from the insert that made the offload: the linker
 keeps the inserted key (:class:`InsertContext`, captured on the scheduler
-thread, a copy of its token ids), and a copy thread later describes the pages
-(:meth:`InsertContext.describe`): it rebuilds the key's storage-hash chain with
-SGLang's own hash, finds the node in it, and runs SGLang's own
+thread, a copy of its token ids), and a copy thread later describes the node
+(:meth:`InsertContext.describe`) in one compiled call (``_blocks.describe``):
+it walks the key's storage-hash chain with SGLang's hash, bit for bit, until
+the node's first key, checks each of its keys against its tokens, and keeps
+one record of the node (token ids, the parent of its first page, event ids),
+all without the GIL. Each stored page is a view of that record.
+
+Event ids: for a key SGLang does not namespace (no ``extra_key``, no
+``cache_salt``) they are the storage keys' (``hash_str_to_int64``), which the
+record computes. A namespaced key's come from SGLang's own
 ``KVCacheEventRecorder.record_store`` on a stand-in for the node, so the
 ``CPU_PINNED``/``DISK`` events carry exactly the block hashes, parent links and
 ``cache_salt``/LoRA namespacing of the tree's ``GPU`` events (tests compare
@@ -18,15 +25,14 @@ from types import SimpleNamespace
 from typing import Optional, Sequence
 
 from sglang.srt.mem_cache.radix_cache import RadixKey
-from sglang.srt.mem_cache.utils import compute_node_event_hash_values, get_storage_hash_str
+from sglang.srt.mem_cache.utils import storage_namespace_seed
 
+from sglang_kvbm._blocks import PageIdentityError, describe
 from sglang_kvbm.core.identity import BlockId
-from sglang_kvbm.core.ports import BlockMeta, EventIdentity
+from sglang_kvbm.core.pages import Page, Pages
 from sglang_kvbm.integration.sglang.compat import event_lora_name, event_recorder
 
-
-class PageIdentityError(RuntimeError):
-    """The pages handed over are not where the inserted key says they are."""
+__all__ = ["EventSettings", "InsertContext", "PageIdentityError"]
 
 
 class EventSettings:
@@ -45,11 +51,12 @@ class EventSettings:
 class InsertContext:
     """The key of one insert into the tree, for describing the pages its offloads store."""
 
-    __slots__ = ("tokens", "extra_key", "cache_salt", "bigram", "priority", "page_size", "events")
+    __slots__ = ("tokens", "length", "extra_key", "cache_salt", "bigram", "priority", "page_size", "events")
 
     def __init__(self, key: RadixKey, priority: int, page_size: int, events: Optional[EventSettings]) -> None:
         ids = key.raw_token_ids()  # a copy (C: a list's pointers or an array's bytes), not a conversion per token
         self.tokens = ids[:] if ids is key.token_ids else ids
+        self.length = len(key) // page_size * page_size  # full pages only
         self.extra_key = key.extra_key
         self.cache_salt = key.cache_salt
         self.bigram = key.is_bigram  # EAGLE: the tree keys pages by (token, next token) pairs
@@ -57,64 +64,44 @@ class InsertContext:
         self.page_size = page_size
         self.events = events
 
-    def describe(self, keys: Sequence[BlockId], positions: Sequence[int]) -> list[BlockMeta]:
-        """Metas of ``keys[p]`` for each ``p`` in ``positions`` (copy thread)."""
-        ps = self.page_size
-        whole = RadixKey(self.tokens, self.extra_key, cache_salt=self.cache_salt, is_bigram=self.bigram)
-        full = len(whole) // ps * ps
-        key = whole[:full]
-        chain = get_storage_hash_str(key, None, page_size=ps) if full else []
-        try:
-            start = chain.index(keys[0])
-        except ValueError:
-            raise PageIdentityError("the stored node is not on the inserted key's path") from None
-        if chain[start : start + len(keys)] != list(keys):
-            raise PageIdentityError("the stored node's keys do not follow the inserted key")
-        events = self._event_identities(key, chain, start, len(keys)) if self.events is not None else None
-        out = []
-        for p in positions:
-            page = start + p
-            out.append(
-                BlockMeta(
-                    keys[p],
-                    tuple(self.tokens[page * ps : (page + 1) * ps + self.bigram]),  # bigrams: one raw token more
-                    events[p] if events is not None else None,
-                    chain[page - 1] if page else None,
-                )
-            )
-        return out
+    def describe(self, keys: Sequence[BlockId], positions: Sequence[int]) -> list[Page]:
+        """The pages ``keys[p]`` for each ``p`` in ``positions`` (copy thread)."""
+        return self.record(keys).views(positions)
 
-    def _event_identities(self, key: RadixKey, chain: list[str], start: int, count: int) -> list[EventIdentity]:
-        """SGLang's own event identities for pages ``start .. start+count`` of ``key``."""
-        ps = self.page_size
-        namespaced = key.extra_key is not None or key.cache_salt is not None
-        event_chain = chain
-        if namespaced:  # the event chain of a namespaced key is its own (salt-seeded, extra_key left out)
-            whole = SimpleNamespace(key=key, parent=None, hash_value=chain, event_hash_value=None)
-            event_chain = compute_node_event_hash_values(whole, ps)
+    def record(self, keys: Sequence[BlockId]) -> Pages:
+        """The node whose storage keys are ``keys``, described (PageIdentityError: not on the inserted key)."""
+        seed = storage_namespace_seed(self.extra_key, self.cache_salt)
+        namespaced = self.extra_key is not None or self.cache_salt is not None
+        plain_events = self.events is not None and not namespaced
+        pages = describe(self.tokens, self.length, self.page_size, self.bigram,
+                         bytes.fromhex(seed) if seed else None, keys, plain_events)
+        if self.events is not None and namespaced:
+            pages = pages.with_events(*self._namespaced_events(pages))
+        return pages
+
+    def _namespaced_events(self, pages: Pages) -> tuple[list[int], Optional[int], Optional[str], Optional[str]]:
+        """SGLang's own event ids of a namespaced key's node (its recorder, on a stand-in node)."""
+        ps, n = self.page_size, len(pages)
+        key = RadixKey(self.tokens, self.extra_key, cache_salt=self.cache_salt, is_bigram=self.bigram)
+        start = pages.start
         root = SimpleNamespace(parent=None, key=RadixKey([]), hash_value=[], event_hash_value=[])
+        # The event chain of a namespaced key is its own (salt-seeded, extra_key left out): SGLang computes it for
+        # every node from the first not yet hashed, here the stand-in parent (the key's first pages) and the node.
         parent = root
         if start:
-            parent = SimpleNamespace(
-                parent=root,
-                key=key[: start * ps],
-                hash_value=chain[:start],
-                event_hash_value=event_chain[:start] if namespaced else None,
-            )
-        node = SimpleNamespace(
-            parent=parent,
-            key=key[start * ps : (start + count) * ps],
-            hash_value=chain[start : start + count],
-            event_hash_value=event_chain[start : start + count] if namespaced else None,
-        )
+            parent = SimpleNamespace(parent=root, key=key[: start * ps], hash_value=[pages.page(0).parent_id],
+                                     event_hash_value=None)
+        node = SimpleNamespace(parent=parent, key=key[start * ps : (start + n) * ps], hash_value=list(pages.ids),
+                               event_hash_value=None)
         recorder = self.events.recorder()
         recorder.record_store(node)
-        identities: list[EventIdentity] = []
+        hashes: list[int] = []
+        first_parent = salt = lora = None
         for event in recorder.take():
-            link = event.parent_block_hash
-            for block_hash in event.block_hashes:
-                identities.append(EventIdentity(block_hash, link, event.cache_salt, event_lora_name(event), self.bigram))
-                link = block_hash
-        if len(identities) != count:
-            raise PageIdentityError(f"SGLang's recorder described {len(identities)} pages of {count}")
-        return identities
+            if not hashes:
+                first_parent, salt, lora = event.parent_block_hash, event.cache_salt, event_lora_name(event)
+            hashes.extend(event.block_hashes)
+        if len(hashes) != n:
+            raise PageIdentityError(f"SGLang's recorder described {len(hashes)} pages of {n}")
+        return hashes, first_parent, salt, lora
+

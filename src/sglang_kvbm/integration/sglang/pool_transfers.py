@@ -7,7 +7,8 @@ from typing import Optional
 import torch
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 
-from sglang_kvbm.core.ports import BlockMeta, StoreRequest
+from sglang_kvbm.core.pages import bare_pages
+from sglang_kvbm.core.ports import StoreRequest
 
 
 def restorable_lengths(hit: int, across_ranks: bool) -> list[int]:
@@ -42,15 +43,8 @@ def sidecar_transfers(transfers: list[PoolTransfer], names) -> dict[str, PoolTra
 
 def sidecar_stores(transfers: list[PoolTransfer], names, ready: tuple) -> dict[str, StoreRequest]:
     """One store per sidecar transfer of an offload: its keys, its pool's device slots (no events: see ``sidecars``)."""
-    return {name: StoreRequest(tuple(t.keys), t.device_indices.to(torch.int64), _bare_metas(tuple(t.keys)), ready)
+    return {name: StoreRequest(tuple(t.keys), t.device_indices.to(torch.int64), bare_pages(t.keys).views, ready)
             for name, t in sidecar_transfers(transfers, names).items()}
-
-
-def _bare_metas(keys: tuple):
-    def describe(positions) -> list[BlockMeta]:
-        return [BlockMeta(keys[i]) for i in positions]
-
-    return describe
 
 
 def sidecar_loads(transfers: list[PoolTransfer], names) -> Optional[dict[str, PoolTransfer]]:

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from sglang_kvbm.core.ports import BlockMeta
+from sglang_kvbm.core.pages import Page
 from sglang_kvbm.tiers.disk.format import (
     BlockHeader,
     HeaderTooLarge,
@@ -60,7 +60,7 @@ def _descriptors(store, slot: int, header_row: torch.Tensor, data_row: torch.Ten
 def write_blocks(
     store,
     reserved: Sequence[Reservation],
-    metas: Sequence[BlockMeta],
+    metas: Sequence[Page],
     rows: Sequence[torch.Tensor],
     header_buffer: torch.Tensor,
     chunk: int,
@@ -104,11 +104,10 @@ def write_blocks(
     return headers
 
 
-def _header_too_large(store, metas: Sequence[BlockMeta]) -> None:
+def _header_too_large(store, metas: Sequence[Page]) -> None:
     """Count blocks left out of a write; the first time, say why (once per store, not once per write)."""
     if not store.stats.headers_too_large:
-        event = metas[0].event
-        names = (0, 0) if event is None else tuple(len((s or "").encode()) for s in (event.cache_salt, event.lora_name))
+        names = tuple(len((s or "").encode()) for s in (metas[0].cache_salt, metas[0].lora_name))
         logger.warning(
             "kvbm: block %s is not written to disk: its header (%d tokens, a cache_salt of %d bytes, a lora_name of "
             "%d bytes) does not fit the %d-byte disk header; blocks like it stay off disk (a miss), counted in "

@@ -25,7 +25,7 @@ import msgspec
 import numpy as np
 import xxhash
 
-from sglang_kvbm.core.ports import BlockMeta, EventIdentity
+from sglang_kvbm.core.pages import Page, one_page
 
 if TYPE_CHECKING:
     import torch
@@ -50,29 +50,17 @@ class BlockHeader(msgspec.Struct, array_like=True, frozen=True):
     cache_salt: Optional[str] = None
     lora_name: Optional[str] = None
     parent_id: Optional[str] = None
-    bigram: bool = False  # EAGLE pages: token_ids holds one raw token more (see ``EventIdentity``)
+    bigram: bool = False  # EAGLE pages: token_ids holds one raw token more (see ``core.pages``)
 
     @classmethod
-    def of(cls, meta: BlockMeta, checksum: int, fingerprint: bytes) -> "BlockHeader":
-        ev = meta.event
-        return cls(
-            fingerprint,
-            meta.block_id,
-            checksum,
-            list(meta.token_ids),
-            None if ev is None else ev.block_hash,
-            None if ev is None else ev.parent_block_hash,
-            None if ev is None else ev.cache_salt,
-            None if ev is None else ev.lora_name,
-            meta.parent_id,
-            ev is not None and ev.bigram,
-        )
+    def of(cls, page: Page, checksum: int, fingerprint: bytes) -> "BlockHeader":
+        return cls(fingerprint, page.block_id, checksum, list(page.token_ids), page.event_hash, page.event_parent,
+                   page.cache_salt, page.lora_name, page.parent_id, page.bigram)
 
-    def meta(self) -> BlockMeta:
-        event = None
-        if self.event_hash is not None:
-            event = EventIdentity(self.event_hash, self.event_parent, self.cache_salt, self.lora_name, self.bigram)
-        return BlockMeta(self.block_id, tuple(self.token_ids), event, self.parent_id)
+    def meta(self) -> Page:
+        return one_page(self.block_id, self.token_ids, parent_id=self.parent_id, event_hash=self.event_hash,
+                    event_parent=self.event_parent, cache_salt=self.cache_salt, lora_name=self.lora_name,
+                    bigram=self.bigram)
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -88,12 +76,10 @@ def header_bytes_for(page_size: int) -> int:
     return -(-(_FIXED_BYTES + NAME_BYTES + _TOKEN_BYTES * page_size) // HEADER_ALIGN) * HEADER_ALIGN
 
 
-def header_fits(meta: BlockMeta, fingerprint: bytes, header_bytes: int) -> bool:
+def header_fits(meta: Page, fingerprint: bytes, header_bytes: int) -> bool:
     """Whether ``meta``'s header fits a row of ``header_bytes`` (an upper bound on its size, any checksum)."""
     size = _FRAMING_BYTES + len(fingerprint) + _TOKEN_BYTES * len(meta.token_ids)
-    size += sum(len(s.encode()) for s in (meta.block_id, meta.parent_id) if s)
-    if meta.event is not None:
-        size += sum(len(s.encode()) for s in (meta.event.cache_salt, meta.event.lora_name) if s)
+    size += sum(len(s.encode()) for s in (meta.block_id, meta.parent_id, meta.cache_salt, meta.lora_name) if s)
     return size <= header_bytes
 
 

@@ -17,7 +17,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from sglang_kvbm.core.ports import BlockMeta
+from sglang_kvbm.core.pages import Page
 from sglang_kvbm.tiers.disk.format import BlockHeader
 from sglang_kvbm.tiers.disk.journal import IndexJournal
 from sglang_kvbm.tiers.disk.rebuild import IndexRebuild
@@ -38,7 +38,7 @@ class IndexRestart:
         """Load what the last run left (``warm``) and take it in, or prepare a rebuild (:meth:`start` starts it)."""
         self._journal, self._index, self._segments = journal, index, segments
         self._rebuild: Optional[IndexRebuild] = None  # a scan whose blocks are not taken in yet
-        self._restored: list[BlockMeta] = []  # blocks a rebuild kept, not announced yet
+        self._restored: list[Page] = []  # blocks a rebuild kept, not announced yet
         loaded = journal.load() if warm else None
         journal.open()
         if loaded is not None and loaded.damage is not None:
@@ -78,7 +78,7 @@ class IndexRestart:
             self.settle()
         return self._rebuild is None
 
-    def take_restored(self) -> list[BlockMeta]:
+    def take_restored(self) -> list[Page]:
         self.settle()
         restored, self._restored = self._restored, []
         return restored

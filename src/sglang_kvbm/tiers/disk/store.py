@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import torch
 
 from sglang_kvbm.core.identity import BlockId
-from sglang_kvbm.core.ports import BlockMeta
+from sglang_kvbm.core.pages import Page
 from sglang_kvbm.tiers.disk import directory as identity_dir
 from sglang_kvbm.tiers.disk.block_io import DiskStats, read_blocks, write_blocks
 from sglang_kvbm.tiers.disk.format import BlockHeader, header_bytes_for
@@ -75,7 +75,7 @@ class DiskStore:
                                      directory=self.directory, fingerprint=fingerprint,
                                      header_bytes=self.header_bytes, block_bytes=block_bytes)
         self._holds: dict[int, tuple] = {}  # reservation slot -> segments held by its write
-        self._retired: list[BlockMeta] = []
+        self._retired: list[Page] = []
         self._owners: dict[str, int] = {}  # "write"/"read" -> the one thread allowed to use its buffers
         self.chunk_blocks = max(1, min(256, CHUNK_BYTES // self.slot_bytes))
         self._write_headers = aligned_empty((DEPTH * self.chunk_blocks, self.header_bytes))
@@ -115,7 +115,7 @@ class DiskStore:
     def touch(self, block_ids: Sequence[BlockId]) -> None:
         self._index.touch(block_ids)
 
-    def reserve(self, block_ids: Sequence[BlockId]) -> tuple[list[Reservation], list[BlockMeta]]:
+    def reserve(self, block_ids: Sequence[BlockId]) -> tuple[list[Reservation], list[Page]]:
         """Slots for these blocks, in order, evicting LRU ones; stops at the first that finds none."""
         slots, evicted = self._index.reserve(block_ids)
         for header in evicted:
@@ -125,7 +125,7 @@ class DiskStore:
             self._holds[r.slot] = self.segments.hold([r.slot])
         return out, [h.meta() for h in evicted]
 
-    def commit(self, reserved: Sequence[Reservation], headers: Sequence[Optional[BlockHeader]]) -> list[BlockMeta]:
+    def commit(self, reserved: Sequence[Reservation], headers: Sequence[Optional[BlockHeader]]) -> list[Page]:
         """The writes completed: register the blocks (those written, whose segment was not retired meanwhile)."""
         kept = [h is not None and self.segments.generation(r.slot) == r.generation for r, h in zip(reserved, headers)]
         good = [(r, h) for r, h, keep in zip(reserved, headers, kept) if keep]
@@ -145,7 +145,7 @@ class DiskStore:
 
     def invalidate(
         self, block_ids: Sequence[BlockId], *, reason: str, where: Optional[Sequence[tuple[int, int]]] = None
-    ) -> list[BlockMeta]:
+    ) -> list[Page]:
         """Remove blocks whose bytes cannot be trusted; returns the metas removed.
 
         With ``where`` (the slot and its segment's generation a failed read
@@ -190,12 +190,12 @@ class DiskStore:
         if self.segments.retire(segment, reason=reason):
             self._index.add_free(sorted(seg_slots))
 
-    def take_retired(self) -> list[BlockMeta]:
+    def take_retired(self) -> list[Page]:
         """Blocks lost with retired segments since the last call (for the caller's removal events)."""
         retired, self._retired = self._retired, []
         return retired
 
-    def registered_metas(self) -> list[BlockMeta]:
+    def registered_metas(self) -> list[Page]:
         return [header.meta() for _, header in self._index.entries()]
 
     def forget(self) -> None:
@@ -226,7 +226,7 @@ class DiskStore:
         """Wait for a rebuild's scan and take its blocks in; whether the tier is rebuilt (tests, benchmarks)."""
         return self._restart.wait(timeout)
 
-    def take_restored(self) -> list[BlockMeta]:
+    def take_restored(self) -> list[Page]:
         """Blocks a rebuild kept, once, for the caller's ``DISK`` BlockStored events (announce parents first)."""
         return self._restart.take_restored()
 
@@ -238,7 +238,7 @@ class DiskStore:
         if owner != me:
             raise RuntimeError(f"DiskStore.{role} runs on one thread only (its staging buffers are not shared)")
 
-    def write(self, reserved: Sequence[Reservation], metas: Sequence[BlockMeta],
+    def write(self, reserved: Sequence[Reservation], metas: Sequence[Page],
               rows: Sequence[torch.Tensor]) -> list[Optional[BlockHeader]]:
         """Write blocks from host rows (the writer thread); their headers, None for one left out (its header
         does not fit). Raises :class:`DiskIOError`."""

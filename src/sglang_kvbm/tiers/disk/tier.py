@@ -28,7 +28,8 @@ from typing import Callable, NamedTuple, Optional, Sequence
 from sglang_kvbm.core.identity import BlockId, rekeyed
 from sglang_kvbm.core.offload_filter import FrequencyFilter
 from sglang_kvbm.core.onboard_policy import LinearCostMeter
-from sglang_kvbm.core.ports import BlockMeta, TierCounts, TierEvent, TierEventKind
+from sglang_kvbm.core.pages import Page
+from sglang_kvbm.core.ports import TierCounts, TierEvent, TierEventKind
 from sglang_kvbm.core.tiers import Tier
 from sglang_kvbm.tiers.disk.store import DiskStore
 from sglang_kvbm.tiers.lower import Read
@@ -114,7 +115,7 @@ class DiskTier:
     def counts(self) -> TierCounts:
         return TierCounts(NAME, len(self.store), self.store.num_slots)
 
-    def registered_metas(self) -> list[BlockMeta]:
+    def registered_metas(self) -> list[Page]:
         return self.store.registered_metas()
 
     # -- reads -------------------------------------------------------------------------------
@@ -130,7 +131,7 @@ class DiskTier:
         return Read(future, _ReadState(holds, tuple(e.header.meta() for e in entries),
                                        tuple(map(self.store.located, block_ids))))
 
-    def finish_read(self, read: Read, block_ids: Sequence[BlockId], current: bool) -> list[Optional[BlockMeta]]:
+    def finish_read(self, read: Read, block_ids: Sequence[BlockId], current: bool) -> list[Optional[Page]]:
         state: _ReadState = read.state
         # Pins of a forgotten generation went with the index: a newer read of the same block may hold one now.
         self.store.end_read(block_ids if current else (), state.holds)
@@ -149,7 +150,7 @@ class DiskTier:
             self._removed(self.store.invalidate(ids, reason=reason, where=[state.where[i] for i in indices]))
             logger.warning("kvbm: %d disk block(s) failed verification (%s) and were dropped; the request "
                            "recomputes", len(ids), reason)
-        metas: list[Optional[BlockMeta]] = list(state.metas)
+        metas: list[Optional[Page]] = list(state.metas)
         for i, _ in failed:
             metas[i] = None
         good = len(block_ids) - len({i for i, _ in failed})
@@ -173,7 +174,7 @@ class DiskTier:
 
     # -- writes from host -------------------------------------------------------------------
 
-    def offer(self, metas: Sequence[BlockMeta]) -> None:
+    def offer(self, metas: Sequence[Page]) -> None:
         """Host blocks that earned a disk copy (KVBM's frequency filter): pin their rows, write them."""
         if self._closed or self._host is None or not metas:
             return
@@ -222,21 +223,21 @@ class DiskTier:
         self.store.persist()
         self._announce_restored(self.store.take_restored())  # blocks a rebuilt index kept (disk/rebuild.py)
 
-    def _removed(self, metas: Sequence[BlockMeta]) -> None:
+    def _removed(self, metas: Sequence[Page]) -> None:
         if metas:
             self._emit(TierEvent(TierEventKind.REMOVED, NAME, tuple(metas), None, Tier.DISK))
 
-    def _announce_restored(self, metas: list[BlockMeta]) -> None:
+    def _announce_restored(self, metas: list[Page]) -> None:
         """Disk blocks found at start-up, announced parents first (an orphan would be dropped by the router)."""
-        by_parent: dict[Optional[int], list[BlockMeta]] = {}
+        by_parent: dict[Optional[int], list[Page]] = {}
         for meta in metas:
-            if meta.event is not None:
-                by_parent.setdefault(meta.event.parent_block_hash, []).append(meta)
+            if meta.event_hash is not None:
+                by_parent.setdefault(meta.event_parent, []).append(meta)
         announced, frontier = [], list(by_parent.pop(None, []))
         while frontier:
             meta = frontier.pop()
             announced.append(meta)
-            frontier.extend(by_parent.pop(meta.event.block_hash, []))
+            frontier.extend(by_parent.pop(meta.event_hash, []))
         if announced:
             self._emit(TierEvent(TierEventKind.STORED, NAME, tuple(announced), None, Tier.DISK))
 

@@ -22,14 +22,14 @@ import torch
 
 from sglang_kvbm._blocks import BlockIndex
 from sglang_kvbm.core.identity import BlockId
-from sglang_kvbm.core.ports import BlockMeta
+from sglang_kvbm.core.pages import Page
 
 
 class HostBlockPool:
     """Rows of a host slab; registered blocks are found by id and evicted least recently used first.
 
     The bookkeeping is the compiled :class:`~sglang_kvbm._blocks.BlockIndex` (one call per node); each
-    registered row keeps its block's :class:`BlockMeta` there.
+    registered row keeps its block's :class:`Page` there.
     """
 
     def __init__(self, slab: torch.Tensor) -> None:
@@ -56,7 +56,7 @@ class HostBlockPool:
         """The row of each registered block (None where not registered)."""
         return self.index.slots(block_ids)
 
-    def reserve(self, block_ids: Sequence[BlockId]) -> tuple[list[int], list[BlockMeta]]:
+    def reserve(self, block_ids: Sequence[BlockId]) -> tuple[list[int], list[Page]]:
         """Set aside a row for each block, in order, evicting least recently used ones.
 
         Returns the rows (one per leading block that found one; the rest found
@@ -64,7 +64,7 @@ class HostBlockPool:
         """
         return self.index.reserve(block_ids)
 
-    def commit(self, metas: Sequence[BlockMeta], rows: Sequence[int]) -> None:
+    def commit(self, metas: Sequence[Page], rows: Sequence[int]) -> None:
         """The rows hold the bytes: commit and register the blocks.
 
         The first is registered most recent, so eviction takes a chain from its tail.
@@ -76,7 +76,7 @@ class HostBlockPool:
         last holder let go)."""
         self.index.abort(rows)
 
-    def remove(self, block_ids: Sequence[BlockId]) -> list[BlockMeta]:
+    def remove(self, block_ids: Sequence[BlockId]) -> list[Page]:
         """Drop registered blocks (not pinned ones) whose bytes must not be served; returns their metas."""
         return self.index.remove(block_ids, True)
 
@@ -90,14 +90,14 @@ class HostBlockPool:
     def unpin(self, block_ids: Sequence[BlockId]) -> None:
         self.index.unpin(block_ids)
 
-    def meta_of(self, block_id: BlockId) -> BlockMeta:
+    def meta_of(self, block_id: BlockId) -> Page:
         return self.index.payload(self.index.slot(block_id))
 
-    def metas_of(self, block_ids: Sequence[BlockId]) -> list[BlockMeta]:
+    def metas_of(self, block_ids: Sequence[BlockId]) -> list[Page]:
         """The metas of those of ``block_ids`` that are registered, in order."""
         return self.index.payloads(block_ids)
 
-    def metas(self) -> list[BlockMeta]:
+    def metas(self) -> list[Page]:
         return [meta for _, meta in self.index.items()]
 
     def forget(self) -> None:

@@ -46,7 +46,7 @@ from typing import Optional, Sequence
 import torch
 
 from sglang_kvbm.core.identity import BlockId
-from sglang_kvbm.core.ports import BlockMeta
+from sglang_kvbm.core.pages import Page
 from sglang_kvbm.tiers.block_objects import sign, tag_of, verify
 from sglang_kvbm.tiers.disk.format import header_bytes_for
 from sglang_kvbm.tiers.mooncake import listeners
@@ -213,7 +213,7 @@ class G4Store:
             return [False] * len(block_ids)
         return [f == 1 for f in found]
 
-    def write(self, metas: Sequence[BlockMeta], rows: Sequence[torch.Tensor], headers: Sequence[torch.Tensor],
+    def write(self, metas: Sequence[Page], rows: Sequence[torch.Tensor], headers: Sequence[torch.Tensor],
               fingerprint: Optional[bytes] = None) -> list[bool]:
         """Put each block (its header into ``headers[i]``, then ``rows[i]``) under this store's identity, or under
         ``fingerprint`` (names and headers both); an object already there is kept."""
@@ -241,7 +241,7 @@ class G4Store:
         return ok
 
     def read(self, block_ids: Sequence[BlockId], rows: Sequence[torch.Tensor], headers: Sequence[torch.Tensor]
-             ) -> list[Optional[BlockMeta]]:
+             ) -> list[Optional[Page]]:
         """Get each block into ``rows[i]`` (its header into ``headers[i]``) and verify it: its meta, or None (a miss)."""
         if not block_ids or not self.available:
             return [None] * len(block_ids)
@@ -254,7 +254,7 @@ class G4Store:
             got = self._client.batch_get_into_multi_buffers(keys, ptrs, sizes)
         if any(g == RPC_FAIL for g in got):
             self._fail("the master did not answer a read")
-        out: list[Optional[BlockMeta]] = []
+        out: list[Optional[Page]] = []
         rejected = []
         for block_id, n, row, header in zip(block_ids, got, rows, headers):
             meta = self._verify(block_id, n, row, header)
@@ -276,7 +276,7 @@ class G4Store:
             results = [self._client.remove(key, True) for key in keys]  # force: ignore leases of readers
         self.stats["removed"] += sum(r == 0 for r in results)
 
-    def _verify(self, block_id: BlockId, n: int, row: torch.Tensor, header_row: torch.Tensor) -> Optional[BlockMeta]:
+    def _verify(self, block_id: BlockId, n: int, row: torch.Tensor, header_row: torch.Tensor) -> Optional[Page]:
         if n < 0:
             return None  # not there (evicted, never written, its lender gone): a plain miss
         if n != self.header_bytes + self.block_bytes:

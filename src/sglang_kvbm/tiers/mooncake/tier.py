@@ -17,7 +17,8 @@ from typing import Callable, Optional, Sequence
 from sglang_kvbm.core.identity import BlockId, rekeyed
 from sglang_kvbm.core.offload_filter import FrequencyFilter
 from sglang_kvbm.core.onboard_policy import LinearCostMeter
-from sglang_kvbm.core.ports import BlockMeta, TierCounts, TierEvent, TierEventKind
+from sglang_kvbm.core.pages import Page
+from sglang_kvbm.core.ports import TierCounts, TierEvent, TierEventKind
 from sglang_kvbm.tiers.lower import Read
 from sglang_kvbm.tiers.mooncake.probe import unreachable_endpoints
 from sglang_kvbm.tiers.mooncake.writes import G4Writes
@@ -63,7 +64,7 @@ class MooncakeTier:
     def counts(self) -> Optional[TierCounts]:
         return None  # shared with every worker: what this one holds there is not a count it knows
 
-    def registered_metas(self) -> list[BlockMeta]:
+    def registered_metas(self) -> list[Page]:
         return []
 
     # -- reads -------------------------------------------------------------------------------
@@ -74,7 +75,7 @@ class MooncakeTier:
             return None
         return self._reads.start(self.store, block_ids, slab, headers, rows)
 
-    def finish_read(self, read: Read, block_ids: Sequence[BlockId], current: bool) -> list[Optional[BlockMeta]]:
+    def finish_read(self, read: Read, block_ids: Sequence[BlockId], current: bool) -> list[Optional[Page]]:
         metas, seconds = self._reads.finish(read, block_ids, current)
         found = [b for b, meta in zip(block_ids, metas) if meta is not None]
         if found:
@@ -103,7 +104,7 @@ class MooncakeTier:
 
     # -- writes ------------------------------------------------------------------------------
 
-    def offer(self, metas: Sequence[BlockMeta]) -> None:
+    def offer(self, metas: Sequence[Page]) -> None:
         self.writes.offer(metas)
 
     def bind(self, emit: Callable[[TierEvent], None]) -> None:

@@ -39,7 +39,7 @@ from concurrent.futures import Future
 from typing import Callable, NamedTuple, Optional, Sequence
 
 from sglang_kvbm.core.identity import BlockId
-from sglang_kvbm.core.ports import BlockMeta
+from sglang_kvbm.core.pages import Page
 from sglang_kvbm.transfer.host_memory import aligned_empty
 
 logger = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ class G4Writes:
         self._closed = False
         self.stats = store.stats  # the write-through's counters live beside the store's (``/stats``: mooncake)
         self.submitted = self.written = self.queued = 0  # blocks queued ever, written, waiting now
-        self.stored: list[BlockMeta] = []  # blocks written since the tier last took them (its STORED changes)
+        self.stored: list[Page] = []  # blocks written since the tier last took them (its STORED changes)
 
     def forget(self) -> None:
         """G4's objects are under another name now (the identity changed): nothing is known to be there."""
@@ -143,7 +143,7 @@ class G4Writes:
         while len(self._known) > self._remember:
             self._known.popitem(last=False)
 
-    def offer(self, metas: Sequence[BlockMeta]) -> None:
+    def offer(self, metas: Sequence[Page]) -> None:
         """Host blocks just registered or reused: queue those G4 may not hold (kept for later while G4 is down)."""
         if self._closed or not metas:
             return

@@ -41,7 +41,7 @@ import torch
 
 from sglang_kvbm.config import ConfigError
 from sglang_kvbm.core.identity import BlockId
-from sglang_kvbm.core.ports import BlockMeta
+from sglang_kvbm.core.pages import Page
 from sglang_kvbm.ops.needs import pip_install
 from sglang_kvbm.tiers.block_objects import sign, tag_of, verify
 from sglang_kvbm.tiers.disk.format import header_bytes_for
@@ -196,7 +196,7 @@ class ObjectStore:
             return [False] * len(block_ids)
         return [f is not None for f in found]
 
-    def write(self, metas: Sequence[BlockMeta], rows: Sequence[torch.Tensor], fingerprint: bytes) -> list[bool]:
+    def write(self, metas: Sequence[Page], rows: Sequence[torch.Tensor], fingerprint: bytes) -> list[bool]:
         """Put each block (signed under ``fingerprint``) from its host row; which ones were written."""
         ok = [False] * len(metas)
         agent = self._client()
@@ -223,9 +223,9 @@ class ObjectStore:
         return ok
 
     def read(self, block_ids: Sequence[BlockId], rows: Sequence[torch.Tensor], headers: Sequence[torch.Tensor]
-             ) -> list[Optional[BlockMeta]]:
+             ) -> list[Optional[Page]]:
         """Get each block, verify it, copy it into ``rows[i]`` (header into ``headers[i]``): its meta, or None."""
-        out: list[Optional[BlockMeta]] = [None] * len(block_ids)
+        out: list[Optional[Page]] = [None] * len(block_ids)
         agent = self._client()
         if agent is None:
             return out

@@ -28,7 +28,8 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 from sglang_kvbm.core.identity import BlockId, rekeyed
 from sglang_kvbm.core.onboard_policy import LinearCostMeter
-from sglang_kvbm.core.ports import BlockMeta, TierCounts, TierEvent, TierEventKind
+from sglang_kvbm.core.pages import Page
+from sglang_kvbm.core.ports import TierCounts, TierEvent, TierEventKind
 from sglang_kvbm.core.tiers import Tier
 from sglang_kvbm.tiers.lower import Read
 from sglang_kvbm.tiers.remote import RemoteReads
@@ -121,7 +122,7 @@ class ObjectTier:
     def counts(self) -> Optional[TierCounts]:
         return TierCounts(NAME, len(self._known), self._num_blocks)
 
-    def registered_metas(self) -> list[BlockMeta]:
+    def registered_metas(self) -> list[Page]:
         return []
 
     # -- reads -------------------------------------------------------------------------------
@@ -132,7 +133,7 @@ class ObjectTier:
             return None
         return self._reads.start(self.store, block_ids, slab, headers, rows)
 
-    def finish_read(self, read: Read, block_ids: Sequence[BlockId], current: bool) -> list[Optional[BlockMeta]]:
+    def finish_read(self, read: Read, block_ids: Sequence[BlockId], current: bool) -> list[Optional[Page]]:
         metas, seconds = self._reads.finish(read, block_ids, current)
         self._learn([b for b, meta in zip(block_ids, metas) if meta is not None])
         if current and seconds:
@@ -159,7 +160,7 @@ class ObjectTier:
 
     # -- writes ------------------------------------------------------------------------------
 
-    def offer(self, metas: Sequence[BlockMeta]) -> None:
+    def offer(self, metas: Sequence[Page]) -> None:
         """Host blocks just registered or reused: queue those not known to be in the bucket (room permitting)."""
         if self._closed or not metas or self.store.down:
             return
