@@ -18,7 +18,7 @@ import hashlib
 import random
 import threading
 from array import array
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch
@@ -58,37 +58,54 @@ class SteppedExecutor(ThreadPoolExecutor):
         self.copies = self.checked = self.discarded = 0
         self.errors: list[str] = []
 
-    def submit(self, fn, layout, stream, request, positions, slab, rows):
+    def submit(self, fn, layout, stream, parts, slab):
+        """One step's device -> host copies (``Offloads.flush``): ``parts`` of (future, request, positions, rows)."""
         gate, offloads = self.gate, self.stack.manager.offloads
         generation = offloads._generation
+        rows = [row for *_, part_rows in parts for row in part_rows]
         with self._lock:
             twice = self._writing.intersection(rows)
-            assert not twice, f"host rows {sorted(twice)} targeted by two copies at once"
+            assert not twice and len(set(rows)) == len(rows), f"host rows {sorted(twice)} targeted by two copies at once"
             self._writing.update(rows)
 
         def gated():
+            # The copies report to futures of this harness first: a part's rows leave ``_writing`` before the
+            # scheduler can see it done (and reuse its rows).
+            inner = [(Future(), request, positions, part_rows) for _, request, positions, part_rows in parts]
             try:
                 if not gate.wait(timeout=120):
                     raise TimeoutError("gate never opened")
-                result = fn(layout, stream, request, positions, slab, rows)
-                if offloads._generation == generation:  # a reset since may have reused the pages: discarded
-                    for meta, row in zip(result[0], rows):
-                        if not torch.equal(slab[row, : layout.page_bytes], kv_of(meta.block_id, layout.page_bytes)):
-                            self.errors.append(f"copy of {meta.block_id[:12]} read a reused device page")
-                    self.checked += 1
-                else:
-                    self.discarded += 1
-                self.copies += 1
-                return result
+                fn(layout, stream, inner, slab)
             finally:
-                with self._lock:
-                    self._writing.difference_update(rows)
+                for (outer, *_), (future, _, _, part_rows) in zip(parts, inner):
+                    if future.done() and not future.cancelled() and future.exception() is None:
+                        if offloads._generation == generation:  # a reset since may have reused the pages
+                            for meta, row in zip(future.result()[0], part_rows):
+                                if not torch.equal(slab[row, : layout.page_bytes],
+                                                   kv_of(meta.block_id, layout.page_bytes)):
+                                    self.errors.append(f"copy of {meta.block_id[:12]} read a reused device page")
+                            self.checked += 1
+                        else:
+                            self.discarded += 1
+                        self.copies += 1
+                    with self._lock:
+                        self._writing.difference_update(part_rows)
+                    if not outer.set_running_or_notify_cancel():
+                        continue
+                    if not future.done():
+                        outer.set_exception(TimeoutError("gate never opened"))
+                    elif future.cancelled() or future.exception() is not None:
+                        outer.set_exception(future.exception() if not future.cancelled() else RuntimeError("cancelled"))
+                    else:
+                        outer.set_result(future.result())
 
         return super().submit(gated)
 
-    def release(self):
+    def release(self, *, last: bool = False):
+        """Let every copy submitted so far run; ``last``: and every later one (the end of the scenario)."""
         self.gate.set()
-        self.gate = threading.Event()
+        if not last:
+            self.gate = threading.Event()
 
 
 class Scenario:
@@ -208,7 +225,7 @@ def test_copies_never_race_page_reuse_or_reset(tmp_path, tiers, seed):
                 scenario.check_tiers_hold_only_live_blocks()
             else:
                 scenario.reset()
-        executor.release()
+        executor.release(last=True)  # the step's copies are handed over by the flush below
         assert stack.cache.flush(timeout=60)
         assert not executor.errors, executor.errors[:5]
         scenario.check_tiers_hold_only_live_blocks()

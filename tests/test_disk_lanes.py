@@ -64,6 +64,7 @@ def test_device_to_disk_copies_run_ahead_of_background_disk_writes(stack_factory
     busy = stack.writer.submit(lambda: None)  # the writer is busy with something already
     stack.writer.wait_held()
     stack.insert(a, seed=1)
+    stack.cache.poll()  # the step's device -> host copies start (once per step)
     stack.executor.submit(lambda: None).result(timeout=60)
     stack.cache.poll()  # A's host copy registered: its host -> disk write is queued (background), pinning A's rows
     assert stack.writer.submitted == 2

@@ -32,7 +32,8 @@ def _stack(stack_factory, tmp_path, **kwargs):
 
 
 def _copied_to_host(stack) -> None:
-    """Every device -> host copy submitted so far has ended, and the scheduler's poll registered it."""
+    """Every device -> host copy so far has ended, and the scheduler's poll registered it."""
+    stack.cache.poll()  # hands the step's copies to their thread (once per step)
     stack.executor.submit(lambda: None).result(timeout=60)
     stack.cache.poll()
 

@@ -115,6 +115,7 @@ class LocalBlockManager:
             tier.offer(metas)
 
     def poll(self) -> PollResult:
+        self.offloads.flush()  # the engine polls once per step: this step's copies down start now
         done = self.offloads.collect()
         if self.staging is not None:
             self.staging.collect()

@@ -1,7 +1,13 @@
 """Copies down from the device, and their completions: device -> host, and device -> disk when no host row is free.
 
-The scheduler thread reserves room and submits; one thread per path copies
-(see ``copies``; each with its own CUDA stream, made before it starts). The
+The scheduler thread reserves room and queues; one thread per path copies
+(see ``copies``; each with its own CUDA stream, made before it starts).
+Device -> host copies are handed to their thread once per scheduler step
+(:meth:`Offloads.flush`, from the step's first call, ``poll``): every store
+of a step is one job and at most one wake-up of that thread, not one per
+node. A store's copy so starts at the next step's first call instead of at
+once: after what is left of the step that inserted it (no forward between).
+The
 disk tier's writer serves device -> disk copies (which the tree waits for, in
 order) ahead of its background host -> disk writes (see ``lanes``). A store's
 pages go into host rows while rows can be had (least recently used host
@@ -79,6 +85,7 @@ class Offloads:
         self._jobs: deque[_Job] = deque()  # device -> lower tier, in submission order
         self._tickets = itertools.count(1)
         self._parts: dict[int, list] = {}  # ticket -> [jobs left, every page held]
+        self._queued: list[tuple] = []  # device -> host copies of this step, handed over by flush()
         self._done: list[tuple[int, bool]] = []
         self._generation = 0
 
@@ -98,9 +105,8 @@ class Offloads:
             self._removed("host", evicted)
             if rows:
                 positions, todo = todo[: len(rows)], todo[len(rows) :]
-                future = self._offload.submit(
-                    copies.device_to_host, self.layout, self._offload_stream, request, positions, host.slab, rows
-                )
+                future: Future = Future()
+                self._queued.append((future, request, positions, rows, self._generation))
                 self._submit(_Job(ticket, "host", tuple(map(ids.__getitem__, positions)), tuple(rows), self._generation,
                                   future))
         if todo and disk is not None:
@@ -120,6 +126,28 @@ class Offloads:
         if not self._parts[ticket][0]:
             self._done.append((ticket, self._parts.pop(ticket)[1]))
         return ticket
+
+    def flush(self) -> None:
+        """Hand this step's device -> host copies to their thread, as one job (once per step: ``poll``)."""
+        if not self._queued:
+            return
+        parts = []
+        for future, request, positions, rows, generation in self._queued:
+            if generation != self._generation:  # the tiers were reset or dropped since: nothing to copy
+                future.cancel()
+            else:
+                parts.append((future, request, positions, rows))
+        self._queued = []
+        if not parts:
+            return
+        try:
+            batch = self._offload.submit(copies.device_to_host_parts, self.layout, self._offload_stream, parts,
+                                         self.host.slab)
+        except RuntimeError as exc:  # shut down: nothing will copy them
+            for future, *_ in parts:
+                future.set_exception(exc)
+            return
+        batch.add_done_callback(lambda done: _cancel_parts(done, parts))
 
     def _submit(self, job: _Job) -> None:
         self._jobs.append(job)
@@ -196,6 +224,8 @@ class Offloads:
         return self._generation
 
     def futures(self) -> list[Future]:
+        """The copies under way (this step's device -> host copies are handed over first)."""
+        self.flush()
         return [job.future for job in self._jobs]
 
     def reset(self, *, keep_tickets: bool = False) -> None:
@@ -211,7 +241,17 @@ class Offloads:
             self._done.clear()
 
     def shutdown(self) -> None:
+        for future, *_ in self._queued:
+            future.cancel()
+        self._queued.clear()
         self._offload.shutdown(wait=True, cancel_futures=True)
+
+
+def _cancel_parts(batch: Future, parts: list) -> None:
+    """A batch cancelled before it ran (shutdown): its parts are cancelled with it."""
+    if batch.cancelled():
+        for future, *_ in parts:
+            future.cancel()
 
 
 def _error_of(future: Future) -> Optional[BaseException]:

@@ -6,7 +6,7 @@ Each function runs on the worker thread that owns its path and its buffers
 =====================  ==============================  ===================
 (source, target)       function                        thread
 =====================  ==============================  ===================
-(DEVICE, HOST)         :func:`device_to_host`          ``kvbm-offload``
+(DEVICE, HOST)         :func:`device_to_host_parts`    ``kvbm-offload``
 (DEVICE, DISK)         :func:`device_to_disk`          ``kvbm-disk-write``
 (HOST, DISK)           :func:`host_to_disk`            ``kvbm-disk-write``
 (DISK, staging)        :func:`disk_to_staging`         ``kvbm-disk-read``
@@ -53,6 +53,17 @@ def device_to_host(layout, stream, request: StoreRequest, positions, slab, rows)
         layout.save(_pages(layout, request, positions), slab, index(rows))
     seconds = time.perf_counter() - started
     return request.describe(positions), seconds
+
+
+def device_to_host_parts(layout, stream, parts, slab) -> None:
+    """A step's device -> host copies, one job: each part's future gets its result, or its own error."""
+    for future, request, positions, rows in parts:
+        if not future.set_running_or_notify_cancel():
+            continue
+        try:
+            future.set_result(device_to_host(layout, stream, request, positions, slab, rows))
+        except BaseException as exc:  # one node's fault fails that node's copy only
+            future.set_exception(exc)
 
 
 def device_to_disk(layout, stream, disk, request: StoreRequest, positions, reserved) -> tuple[list[Page], list, float]:
