@@ -7,9 +7,8 @@ Device -> host copies are handed to their thread once per scheduler step
 of a step is one job and at most one wake-up of that thread, not one per
 node. A store's copy so starts at the next step's first call instead of at
 once: after what is left of the step that inserted it (no forward between).
-The
-disk tier's writer serves device -> disk copies (which the tree waits for, in
-order) ahead of its background host -> disk writes (see ``lanes``). A store's
+The disk tier's writer serves device -> disk copies (which the tree waits for,
+in order) ahead of its background host -> disk writes (see ``lanes``). A store's
 pages go into host rows while rows can be had (least recently used host
 blocks are evicted for them), the rest straight to disk. What the host tier
 registers is offered to the lower tiers (``manager``), whose own writes start

@@ -59,8 +59,8 @@ class BlockHeader(msgspec.Struct, array_like=True, frozen=True):
 
     def meta(self) -> Page:
         return one_page(self.block_id, self.token_ids, parent_id=self.parent_id, event_hash=self.event_hash,
-                    event_parent=self.event_parent, cache_salt=self.cache_salt, lora_name=self.lora_name,
-                    bigram=self.bigram)
+                        event_parent=self.event_parent, cache_salt=self.cache_salt, lora_name=self.lora_name,
+                        bigram=self.bigram)
 
 
 _encoder = msgspec.msgpack.Encoder()
