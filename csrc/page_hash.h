@@ -2,7 +2,9 @@
 // `get_storage_hash_str` runs): page i's digest is SHA-256(digest of page i-1, or the chain's seed, or nothing
 // | the page's tokens as little-endian uint32). A page with a token above UINT32_MAX is hashed as uint64 words
 // behind one 0xff byte. EAGLE (bigram) keys hash (token, next token) pairs. Pure C++: runs without the GIL.
-// tests/index/test_pages.py compares it with SGLang's own on random keys at pages 1, 16 and 64.
+// tests/index/test_pages.py compares it with SGLang's own on random keys at pages 1, 16 and 64. Releases
+// differ only above UINT32_MAX: 0.5.21 and 0.5.22 refuse such a key (their hash packs uint32 only), so the
+// tree never offloads one there; 0.5.23 hashes it as a wide page, as here.
 
 #pragma once
 

@@ -6,40 +6,33 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 
+#include "block_ids.h"
 #include "page_hash.h"
+#include "py_seq.h"
 
 namespace kvbm {
 
 namespace {
 
-constexpr char kHex[] = "0123456789abcdef";
-
-// A key as SGLang writes it (64 lowercase hex digits) into its digest; false for anything else.
+// A key as SGLang writes it (64 lowercase hex digits) into its digest; false for anything else. The hex is
+// decoded by the block index's own parser (block_ids.h), which also takes upper case: SGLang never writes it.
 bool parse_hex(nb::handle key, sha256::Digest &out) {
-    if (!PyUnicode_Check(key.ptr())) return false;
-    Py_ssize_t n = 0;
-    const char *s = PyUnicode_AsUTF8AndSize(key.ptr(), &n);
-    if (!s) throw nb::python_error();
-    if (n != 64) return false;
-    for (int i = 0; i < 32; ++i) {
-        int v = 0;
-        for (int j = 0; j < 2; ++j) {
-            const char *at = std::strchr(kHex, s[2 * i + j]);
-            if (!at || !*at) return false;
-            v = v << 4 | int(at - kHex);
-        }
-        out[i] = uint8_t(v);
-    }
-    return true;
+    if (!PyUnicode_Check(key.ptr()) || PyUnicode_GET_LENGTH(key.ptr()) != 64 ||
+        PyUnicode_KIND(key.ptr()) != PyUnicode_1BYTE_KIND)
+        return false;
+    const uint8_t *s = PyUnicode_1BYTE_DATA(key.ptr());
+    return std::none_of(s, s + 64, [](uint8_t c) { return c >= 'A' && c <= 'F'; }) && unhex(s, out.data());
 }
 
 nb::str hex_of(const sha256::Digest &d) {
-    char buf[64];
-    for (int i = 0; i < 32; ++i) buf[2 * i] = kHex[d[i] >> 4], buf[2 * i + 1] = kHex[d[i] & 15];
-    return nb::str(buf, 64);
+    Key k;
+    std::memcpy(k.w, d.data(), sizeof(k.w));
+    const std::string text = hex(k);
+    return nb::str(text.data(), text.size());
 }
 
 // Token ids from an int buffer (array 'q', 'l', 'Q', 'L', 'i', 'I') or any sequence of ints.
@@ -99,8 +92,7 @@ void check_tokens(const Pages &p) {
 nb::object describe(nb::handle tokens_obj, size_t length, size_t page_size, bool bigram, nb::handle seed_obj,
                     nb::handle keys_obj, bool events) {
     if (page_size == 0) throw nb::value_error("page_size must be positive");
-    if (PyUnicode_Check(keys_obj.ptr()) || PyBytes_Check(keys_obj.ptr()))
-        throw nb::type_error("keys: a sequence of block ids, not one id");
+    refuse_one_id(keys_obj);
     Pages p;
     p.ids = tuple_of(keys_obj);
     p.n = p.ids.size();
