@@ -295,8 +295,17 @@ def build_stack(
     disable_filter: bool = True,
     identity=None,
     config: Optional[dict] = None,
+    device: str = "cpu",
+    dtype: Optional[torch.dtype] = None,
+    heads: Optional[int] = None,
+    head_dim: Optional[int] = None,
+    forward_stream=None,
 ) -> Stack:
-    """``identity`` names the server the disk tier belongs to; ``config`` sets further KvbmConfig fields."""
+    """``identity`` names the server the disk tier belongs to; ``config`` sets further KvbmConfig fields.
+
+    ``device``, ``dtype`` (of an MHA or MLA pool), ``heads`` and ``head_dim`` (the MLA pool's latent and rope
+    widths) shape the pools; ``fp8_e4m3`` is the FP8 pool SGLang builds for ``--kv-cache-dtype fp8_e4m3`` on
+    CUDA (float8 storage, no quantization method)."""
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
 
@@ -305,19 +314,24 @@ def build_stack(
     from sglang_kvbm.integration.sglang.custom import build_cache
 
     if pool == "mha":
-        kvcache = MHATokenToKVPool(size, page_size, torch.float32, 2, 8, layers, "cpu", False)
-    elif pool in QUANTIZED_POOLS:  # SGLang's quantized KV recipes (--kv-cache-dtype), built on CPU as SGLang builds them
-        kvcache = MHATokenToKVPool(size, page_size, torch.bfloat16, 2, 64, layers, "cpu", False,
-                                   quant_method=quant_method(pool, layers, page_size))
+        kvcache = MHATokenToKVPool(size, page_size, dtype or torch.float32, heads or 2, head_dim or 8, layers, device,
+                                   False)
+    elif pool == "fp8_e4m3":
+        kvcache = MHATokenToKVPool(size, page_size, torch.float8_e4m3fn, heads or 2, head_dim or 64, layers, device,
+                                   False)
+    elif pool in QUANTIZED_POOLS:  # SGLang's quantized KV recipes (--kv-cache-dtype), built as SGLang builds them
+        kvcache = MHATokenToKVPool(size, page_size, torch.bfloat16, heads or 2, head_dim or 64, layers, device, False,
+                                   quant_method=quant_method(pool, layers, page_size, device=device))
     else:
-        kvcache = MLATokenToKVPool(size, page_size, torch.bfloat16, 16, 8, layers, "cpu", False)
-    allocator = PagedTokenToKVPoolAllocator(size, page_size, kvcache.dtype, "cpu", kvcache, need_sort=False)
+        kvcache = MLATokenToKVPool(size, page_size, dtype or torch.bfloat16, heads or 16, head_dim or 8, layers,
+                                   device, False)
+    allocator = PagedTokenToKVPoolAllocator(size, page_size, kvcache.dtype, device, kvcache, need_sort=False)
     if gated:
         executor = GatedExecutor()
     writer = GatedLanes() if gated_writer else None
     params = cache_init_params(
         disable=False,
-        req_to_token_pool=ReqToTokenPool(size=8, max_context_len=4096, device="cpu", enable_memory_saver=False),
+        req_to_token_pool=ReqToTokenPool(size=8, max_context_len=4096, device=device, enable_memory_saver=False),
         token_to_kv_pool_allocator=allocator,
         page_size=page_size,
         enable_kv_cache_events=events,
@@ -333,14 +347,14 @@ def build_stack(
         **(config or {}),
     )
     cache = build_cache(params, kvbm_config, identity=identity, offload_executor=executor, disk_writer=writer,
-                        disk_reader=reader)
+                        disk_reader=reader, forward_stream=forward_stream)
     return Stack(cache, allocator, kvcache, executor, page_size, size, writer)
 
 
 QUANTIZED_POOLS = ("fp8", "fp4", "nvfp4")
 
 
-def quant_method(name: str, layers: int, page_size: int, native_scales: bool = False):
+def quant_method(name: str, layers: int, page_size: int, native_scales: bool = False, device: str = "cpu"):
     """SGLang's KV cache quantization method: CPU FP8 (no scales), FP4 block-16 and NVFP4 (per-token scales;
     ``native_scales``: NVFP4's page-major layout for SM100's kernels)."""
     from sglang.srt.layers.quantization.fp4_kv_cache_quant_method import (
@@ -353,7 +367,7 @@ def quant_method(name: str, layers: int, page_size: int, native_scales: bool = F
         return CPUFP8KVCacheMethod()
     if name == "fp4":
         return FP4MXBlock16KVCacheMethod()
-    return NVFP4KVCacheMethod(layers, "cpu", page_size=page_size, native_scale_layout=native_scales)
+    return NVFP4KVCacheMethod(layers, device, page_size=page_size, native_scale_layout=native_scales)
 
 
 class RecordingSink:

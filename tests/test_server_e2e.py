@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -56,13 +57,23 @@ def kvbm_run(model_dir, tmp_path_factory):
         stalled.setsockopt(zmq.SUBSCRIBE, b"")
         stalled.connect(endpoint)
         live: list = []
+        failed: list = []  # what stopped the listener early, if anything did
         stop = threading.Event()
 
         def listen():
-            live.extend(subscribe(endpoint, stop=stop.is_set))
+            try:
+                live.extend(subscribe(endpoint, stop=stop.is_set))
+            except BaseException as exc:  # noqa: BLE001 - reported by test_live_stream_equals_replay
+                failed.append(repr(exc))
 
         listener = threading.Thread(target=listen, daemon=True)
         listener.start()
+        # A subscription takes effect some time after the connect (ZMQ's slow joiner; seconds on a loaded
+        # machine): tiny requests of their own until the listener has seen a batch, so the sequence is all live.
+        for seed in range(200, 230):
+            server.generate(prompt_ids(seed, 8), max_new_tokens=1)
+            if live or not listener.is_alive() or _wait_for(lambda: bool(live), 2.0):
+                break
         results = run_e2e_sequence(server)
         # The last store's host copy completes after its request returned; the
         # idle scheduler publishes it. Ask the server for one more tiny request
@@ -76,8 +87,17 @@ def kvbm_run(model_dir, tmp_path_factory):
             [sys.executable, "-m", "sglang_kvbm.ops.cli", "events", endpoint, "--replay", replay_endpoint, "--seconds", "1"],
             capture_output=True, text=True, timeout=120,
         )
-        yield SimpleNamespace(results=results, batches=batches, log=log.read_text(), live=live, cli=cli,
+        yield SimpleNamespace(results=results, batches=batches, log=log.read_text(), live=live, failed=failed, cli=cli,
                               layers=[line.split() for line in layers.read_text().splitlines()])
+
+
+def _wait_for(condition, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def test_repeated_prompt_is_served_from_host(kvbm_run):
@@ -126,6 +146,7 @@ def test_event_stream_carries_host_tier_in_order(kvbm_run):
 
 def test_live_stream_equals_replay(kvbm_run):
     batches, live = kvbm_run.batches, kvbm_run.live
+    assert not kvbm_run.failed, kvbm_run.failed
     assert live, "the live subscriber received nothing"
     replayed = dict(batches)
     for seq, batch in live:  # what the live subscriber got is exactly what replay returns for that seq

@@ -44,6 +44,17 @@ class PrefixHit:
     device_tokens: int  # found in the device pool
     loaded_tokens: int  # brought back from host or disk
     lock: object  # what releases the node
+    pending: Optional["_Pending"] = None  # the load still running (``prefix(wait=False)``): :meth:`KvbmCache.land`
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pending:
+    """A layer-wise load under way: what :meth:`KvbmCache.land` needs to finish it."""
+
+    req: Req
+    key: Optional[RadixKey]  # None: the loaded pages are in the tree already (SGLang 0.5.21)
+    index: int  # the load's consumer index (its batch) on the layer counter
+    slots: torch.Tensor  # the device slots the load writes
 
 
 def ensure_runtime_context(device: str) -> None:
@@ -59,7 +70,7 @@ def ensure_runtime_context(device: str) -> None:
 
 def build_cache(
     params: CacheInitParams, config: KvbmConfig, *, identity: Optional[Identity] = None, offload_executor=None,
-    disk_writer=None, disk_reader=None,
+    disk_writer=None, disk_reader=None, forward_stream=None,
 ) -> "KvbmCache":
     """SGLang's default tree over ``params``' pools with KVBM's tiers below it (``config``).
 
@@ -67,6 +78,9 @@ def build_cache(
     settings, this rank); ``offload_executor`` replaces the device -> host copy
     worker, ``disk_writer`` and ``disk_reader`` (``LaneExecutor``) the disk
     threads (tests hold copies in flight with them; one job at a time each).
+    ``forward_stream`` is the CUDA stream the model's forward writes the pool on
+    (SGLang's ``forward_stream``): an offload then also waits for what that
+    stream had queued when the tree handed the pages over.
     """
     kvcache = params.token_to_kv_pool_allocator.get_kvcache()
     ensure_runtime_context(str(kvcache.device))
@@ -75,7 +89,8 @@ def build_cache(
     # Without an identity, the disk tier's names this pool's shape and this process's ranks (from params' groups).
     extra = {"config": config, "identity": identity, "offload_executor": offload_executor, "disk_writer": disk_writer,
              "disk_reader": disk_reader}
-    linker = KvbmLinker(None, params, components={ComponentType.FULL}, extra_config=extra)
+    linker = KvbmLinker(None, params, components={ComponentType.FULL}, extra_config=extra,
+                        forward_stream=forward_stream)
     tree.init_cache_linker(linker)  # adopting it attaches the linker to this tree (see hooks)
     kvcache.register_layer_transfer_counter(linker.layer_done_counter)
     return KvbmCache(tree, linker)
@@ -91,12 +106,18 @@ class KvbmCache:
     def connector(self):
         return self.linker.connector
 
-    def prefix(self, token_ids, *, extra_key: Optional[str] = None, cache_salt: Optional[str] = None) -> PrefixHit:
+    def prefix(self, token_ids, *, extra_key: Optional[str] = None, cache_salt: Optional[str] = None,
+               wait: bool = True) -> PrefixHit:
         """Match ``token_ids`` in every tier and bring the lower-tier part into the device pool.
 
         At most ``len(token_ids) - 1`` tokens, in whole pages (the last token is
         computed to produce logits). The returned node is locked: call
         :meth:`release` when the indices are no longer read.
+
+        With ``wait=False`` the lower-tier part loads layer by layer while the
+        caller's forward runs: reading a layer through the pool
+        (``get_key_buffer(layer)``, as SGLang's attention backends do) waits for
+        that layer alone. After the forward, :meth:`land` finishes the load.
         """
         self.poll()
         tree = self.tree
@@ -108,48 +129,55 @@ class KvbmCache:
         match = tree.match_prefix(MatchPrefixParams(key=key, req=req))
         node, device = match.last_device_node, device_prefix_len(match)
         lock = tree.inc_lock_ref(node).to_dec_params()  # held across the load: evictions cannot take it
-        loaded = 0
-        if match.host_hit_length:
-            req.last_node = node
-            if getattr(match, "device_indices", None) is not None:  # SGLang 0.5.21 loads after these
-                req.prefix_indices = match.device_indices
-            result = tree.init_load_back(
-                InitLoadBackParams(best_match_node=match.best_match_node, host_hit_length=match.host_hit_length, req=req)
-            )
-            loaded, inserted = loaded_tail(result)
-            if inserted is not None:  # the tail is in the tree already, loading
-                node, lock, loaded = self._land_inserted(result[1], node, lock, loaded)
-            elif loaded:
-                node, lock, loaded = self._land(req, key, node, lock, device, loaded)
-        indices = path_device_indices(tree, node)[: device + loaded]
-        return PrefixHit(indices, node, device, loaded, lock)
+        if not match.host_hit_length:
+            return PrefixHit(path_device_indices(tree, node)[:device], node, device, 0, lock)
+        req.last_node = node
+        if getattr(match, "device_indices", None) is not None:  # SGLang 0.5.21 loads after these
+            req.prefix_indices = match.device_indices
+        result = tree.init_load_back(
+            InitLoadBackParams(best_match_node=match.best_match_node, host_hit_length=match.host_hit_length, req=req)
+        )
+        loaded, inserted = loaded_tail(result)
+        if not loaded:
+            return PrefixHit(path_device_indices(tree, node)[:device], node, device, 0, lock)
+        if inserted is not None:  # the tail is in the tree already, loading: hold it, let go of the matched node
+            tail = result[1]
+            tail_lock = tree.inc_lock_ref(tail).to_dec_params()
+            tree.dec_lock_ref(node, lock)
+            node, lock, slots, key = tail, tail_lock, inserted, None
+        else:
+            slots = tree.linker.private_load_indices[req.rid]
+            key = key[: device + loaded]
+        index = tree.ready_to_load_host_cache()  # the layer-wise load starts
+        indices = torch.cat([path_device_indices(tree, node)[:device].to(torch.int64), slots.to(torch.int64)]) \
+            if key is not None else path_device_indices(tree, node)[: device + loaded]
+        hit = PrefixHit(indices, node, device, loaded, lock, _Pending(req, key, index, slots))
+        return self.land(hit) if wait else hit
 
-    def _land(self, req, key: RadixKey, node, lock, device: int, loaded: int):
-        """Wait for the layer-wise load, put the loaded pages in the tree, and move the lock onto them."""
-        tree = self.tree
-        slots = tree.linker.private_load_indices[req.rid]
-        tree.ready_to_load_host_cache()
-        if tree.finish_external_linker_loads([req]):  # the load failed: recompute
-            tree.token_to_kv_pool_allocator.free(slots)
-            return node, lock, 0
-        values = torch.cat([path_device_indices(tree, node)[:device].to(torch.int64), slots.to(torch.int64)])
+    def land(self, hit: PrefixHit) -> PrefixHit:
+        """Finish ``hit``'s load (after the forward that read it, for ``prefix(wait=False)``): wait for its last
+        layers and put the loaded pages in the tree, locked; ``hit`` is spent, release the returned one.
+
+        If the load failed, the returned hit's ``loaded_tokens`` is 0 and its indices end at the device part: a
+        forward that read the loaded part must be recomputed from there."""
+        pending = hit.pending
+        if pending is None:
+            return hit
+        tree, node, lock = self.tree, hit.node, hit.lock
+        if pending.key is None:  # SGLang 0.5.21: in the tree already; a failed load is redone (LayerCounter.redo)
+            self.linker.layer_done_counter.finish(pending.index)
+            tree.check_hicache_events()  # the tree lets go of its own pin on the loaded node
+            return dataclasses.replace(hit, pending=None)
+        if tree.finish_external_linker_loads([pending.req]):  # the load failed: recompute
+            tree.token_to_kv_pool_allocator.free(pending.slots)
+            return PrefixHit(hit.indices[: hit.device_tokens], node, hit.device_tokens, 0, lock)
         # Pages another insert added meanwhile are duplicates: the tree frees those of ours itself.
-        result = tree.insert(InsertParams(key=key[: device + loaded], value=values, prev_prefix_len=device))
+        result = tree.insert(InsertParams(key=pending.key, value=hit.indices, prev_prefix_len=hit.device_tokens))
         new_node = result.last_device_node
         new_lock = tree.inc_lock_ref(new_node).to_dec_params()
         tree.dec_lock_ref(node, lock)
-        return new_node, new_lock, loaded
-
-    def _land_inserted(self, tail_node, node, lock, loaded: int):
-        """Wait for a load whose pages the tree holds already (it cannot fail: ``LayerCounter.redo``), and move the
-        lock onto them."""
-        tree = self.tree
-        new_lock = tree.inc_lock_ref(tail_node).to_dec_params()
-        index = tree.ready_to_load_host_cache()
-        self.linker.layer_done_counter.finish(index)
-        tree.check_hicache_events()  # the tree lets go of its own pin on the loaded node
-        tree.dec_lock_ref(node, lock)
-        return tail_node, new_lock, loaded
+        indices = path_device_indices(tree, new_node)[: len(hit.indices)]
+        return PrefixHit(indices, new_node, hit.device_tokens, hit.loaded_tokens, new_lock)
 
     def release(self, hit: PrefixHit) -> None:
         """The caller no longer reads ``hit.indices``: the prefix may be evicted again."""
