@@ -9,6 +9,7 @@ page by page.
 
 from __future__ import annotations
 
+import time
 from array import array
 
 import pytest
@@ -260,6 +261,34 @@ def test_prefix_under_pool_pressure_with_other_nodes_locked_returns_the_right_kv
     assert stack.cache.prefix(idle + [0]).device_tokens == 0  # what made the room
     stack.cache.release(hit)
     stack.cache.release(held)
+
+
+def test_prefix_without_waiting_lets_the_forward_read_each_layer_as_it_lands(stack_factory):
+    """``prefix(wait=False)``: the forward reads each layer through the pool (``get_key_buffer``, as SGLang's
+    attention backends do), which waits for that layer alone; ``land`` then puts the pages in the tree."""
+    stack = stack_factory(size=64, layers=4)
+    tokens = list(range(3000, 3016))
+    stack.insert(tokens[:8], seed=40)
+    stack.settle()
+    tail = stack.insert_tail(tokens[:8], tokens[8:], seed=41)
+    stack.settle()
+    assert stack.evict(8) == 8  # the tail leaves the device; the host holds it
+    stack.scramble_pool()
+    stack.linker.loader.before_layer = lambda index, layer: time.sleep(0.1) if layer else None  # layers land late
+    hit = stack.cache.prefix(tokens + [0], wait=False)
+    assert (hit.device_tokens, hit.loaded_tokens) == (8, 8) and hit.pending is not None
+    loaded = hit.indices[8:]
+    read = [stack.kvcache.get_key_buffer(layer)[loaded].view(torch.uint8).clone() for layer in range(4)]  # forward
+    landed = stack.cache.land(hit)
+    assert landed.pending is None and landed.loaded_tokens == 8
+    assert all(torch.equal(g, w) for g, w in zip(stack.read_pages(landed.indices[8:]), tail))
+    for layer, rows in enumerate(read):  # what each layer's read saw is what the load brought
+        assert torch.equal(rows, stack.kvcache.get_key_buffer(layer)[landed.indices[8:]].view(torch.uint8)), layer
+    assert stack.linker.layer_done_counter.consumer_index == -1
+    stack.cache.release(landed)
+    again = stack.cache.prefix(tokens + [0])  # the loaded pages are in the tree: a device hit now
+    assert (again.device_tokens, again.loaded_tokens) == (16, 0)
+    stack.cache.release(again)
 
 
 def test_custom_insert_of_pages_cached_meanwhile_frees_each_duplicate_once(stack_factory):

@@ -26,6 +26,7 @@ per 16 values); pages 1, 16 and 64; the host tier, and the disk tier alone.
 from __future__ import annotations
 
 import contextlib
+import time
 from array import array
 
 import pytest
@@ -41,6 +42,7 @@ POOLS = ["mha", "mla", "fp8_e4m3", "nvfp4"]
 PAGES = [1, 16, 64]
 LAYERS = 4
 REQUEST_PAGES = 4  # pages of the cached prefix
+HOLD = 0.02  # seconds the loader holds back each layer after the first
 SLEEP_CYCLES = 20_000_000  # ~10 ms of GPU time queued ahead of a prefill's writes: the offload is handed them early
 
 
@@ -135,6 +137,8 @@ def test_scheduler_round_trip(device, pool, page, tier, tmp_path, native_hash_lo
         assert stack.evict_all() >= 2 * len(a)
         stack.scramble_pool()
         suffix = tokens_of(3, page + 1)
+        # Every layer after the first is handed over late: a read that did not wait would see the scrambled pool.
+        stack.linker.loader.before_layer = lambda index, layer: time.sleep(HOLD) if layer else None
         req, match, loaded, slots, consumer = stack.admit(a + suffix, "hit")
         assert loaded == len(a) and slots is not None
         read = drive.rows(slots, consumer)  # the forward: every layer read as soon as it is loaded

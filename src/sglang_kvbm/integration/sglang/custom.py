@@ -152,7 +152,10 @@ class KvbmCache:
         indices = torch.cat([path_device_indices(tree, node)[:device].to(torch.int64), slots.to(torch.int64)]) \
             if key is not None else path_device_indices(tree, node)[: device + loaded]
         hit = PrefixHit(indices, node, device, loaded, lock, _Pending(req, key, index, slots))
-        return self.land(hit) if wait else hit
+        if wait:
+            return self.land(hit)
+        self.linker.layer_done_counter.set_consumer(index)  # what SGLang's worker does before the forward
+        return hit
 
     def land(self, hit: PrefixHit) -> PrefixHit:
         """Finish ``hit``'s load (after the forward that read it, for ``prefix(wait=False)``): wait for its last
@@ -164,6 +167,9 @@ class KvbmCache:
         if pending is None:
             return hit
         tree, node, lock = self.tree, hit.node, hit.lock
+        counter = self.linker.layer_done_counter
+        if counter.consumer_index == pending.index:
+            counter.set_consumer(-1)  # the next forward reads no load unless it is given one
         if pending.key is None:  # SGLang 0.5.21: in the tree already; a failed load is redone (LayerCounter.redo)
             self.linker.layer_done_counter.finish(pending.index)
             tree.check_hicache_events()  # the tree lets go of its own pin on the loaded node
