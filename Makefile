@@ -15,7 +15,7 @@ DYNAMO_VENV := .venv-dynamo
 DYNAMO_REQUIREMENTS := requirements/dynamo-1.6.1.txt
 DYNAMO_STAMP := $(DYNAMO_VENV)/.installed
 
-.PHONY: demo test test-fast compat bench gpu-check native asan wheel wheel-check docs stubs clean system-deps
+.PHONY: demo test test-fast compat bench gpu-pack gpu-pack-check gpu-check native asan wheel wheel-check docs stubs clean system-deps
 # The compiled block index (csrc/, nanobind): `pip install` builds it with the package (scikit-build-core),
 # so a change to it reinstalls the package.
 NATIVE_SOURCES := CMakeLists.txt $(wildcard csrc/*)
@@ -99,13 +99,29 @@ bench: $(STAMP)
 	$(VENV)/bin/pip install -q -e '.[test,bench]'
 	$(VENV)/bin/python benchmarks/run_all.py
 
-# On a machine with a GPU and PyTorch, no SGLang and no install step (tests/gpu needs torch and this
-# package's source only, with its block index built in place: `make native`, cmake and nanobind from that
-# Python): once plainly, once under PyTorch's CUDA stream sanitizer.
+# SGLang, NIXL's POSIX backend and what they need that the GPU machines lack, cut to what tests/gpu and
+# benchmarks/gpu_e2e.py run, into .gpu-pack/ (docs/gpu-pack.md; ~40 MiB, fails above 56): carry .gpu-pack to the
+# GPU machine, then `make gpu-check` there. Needs PyPI here (wheels cached in build/gpu-pack/).
+GPU_PACK ?= .gpu-pack
+GPU_PACK_PYTHON ?= 3.12
+gpu-pack: $(STAMP)
+	$(VENV)/bin/python tests/gpu/pack.py --out $(GPU_PACK) --python-version $(GPU_PACK_PYTHON)
+
+# The same pack for CPython 3.11, run here with only the GPU image's packages (torch 2.11.0, transformers 5.17.0,
+# triton 3.6.0): the round trips, the imports as on CUDA, tests/gpu, gpu_e2e --quick. ~3 min after the first run.
+gpu-pack-check: $(STAMP)
+	$(VENV)/bin/python tests/gpu/pack.py --out build/gpu-pack-311 --python-version 3.11
+	$(VENV)/bin/python tests/gpu/pack_check.py build/gpu-pack-311
+
+# On a machine with a GPU and PyTorch, no SGLang and no install step: the block index built in place for that
+# Python (`make native`, cmake and nanobind from it), then tests/gpu/check.py with SGLang from $(GPU_PACK) where
+# it is there: tests/gpu plainly, again under PyTorch's CUDA stream sanitizer (small shapes), and
+# benchmarks/gpu_e2e.py; one table at the end, every step's log in $$OUT (or build/gpu-check). About 5 minutes.
+# Without the pack, the tests that need SGLang skip and the benchmark fails.
 GPU_PYTHON ?= python3
 gpu-check: native
-	PYTHONPATH=src $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -rs tests/gpu
-	TORCH_CUDA_SANITIZER=1 PYTHONPATH=src $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -rs tests/gpu
+	if [ -f $(GPU_PACK)/env.sh ]; then . ./$(GPU_PACK)/env.sh; else export PYTHONPATH=src; fi; \
+	  $(GPU_PYTHON) tests/gpu/check.py $(GPU_CHECK_ARGS)
 
 # The block index under AddressSanitizer + UndefinedBehaviorSanitizer (any UB fatal, warnings errors): its tests
 # and the differential fuzz test (tests/index, which loads neither torch nor SGLang) with the interpreter
@@ -168,4 +184,4 @@ native:
 	cp build/native/_blocks*.so src/sglang_kvbm/
 
 clean:
-	rm -rf $(VENV) $(DYNAMO_VENV) $(COMPAT_0522) demo-out build dist src/sglang_kvbm/_blocks*.so
+	rm -rf $(VENV) $(DYNAMO_VENV) $(COMPAT_0522) demo-out build dist src/sglang_kvbm/_blocks*.so $(GPU_PACK)

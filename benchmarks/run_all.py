@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ["tier_io.py", "critical_path.py", "break_even.py", "miss_path.py", "e2e_multiturn.py"]
+BENCHMARKS = ["tier_io.py", "critical_path.py", "break_even.py", "miss_path.py", "e2e_multiturn.py", "gpu_e2e.py"]
 
 if __name__ == "__main__":
     failed = []
