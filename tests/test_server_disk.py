@@ -72,6 +72,14 @@ class Observed:
                     stores[event.medium] += len(event.block_hashes)
         return stores
 
+    def idle(self, timeout=120.0) -> None:
+        """No copy in flight, three scrapes in a row (0.2 s apart): every write to disk so far has landed."""
+        deadline, quiet = time.monotonic() + timeout, 0
+        while quiet < 3 and time.monotonic() < deadline:
+            stats = requests.get(f"http://127.0.0.1:{self.http}/stats", timeout=30).json()
+            quiet = quiet + 1 if stats["in_flight"] == 0 else 0
+            time.sleep(0.2)
+
     def settled(self, timeout=120.0):
         """Metrics and stored blocks once no copy is in flight and the publisher has caught up.
 
@@ -176,6 +184,10 @@ def test_disk_hits_faults_and_restart(model_dir, stock_results, tmp_path):
         again = run_e2e_sequence(server)
         for ours, name in zip(again, ("A", "B", "C", "A2")):
             assert same_output(ours, stock_results[name]), name
+        # A2 found A's last corrupt blocks and recomputed them: their rewrite must land before the stop (SGLang's
+        # SIGTERM ends the scheduler without waiting for the disk writes in flight, as a crash would).
+        server.generate(prompt_ids(98, 8), max_new_tokens=1)
+        observed.idle()
 
     # Restart on the same directory: the first repeat of a prompt is a disk hit.
     with start(model_dir, directory, tmp_path / "restart.log") as server:

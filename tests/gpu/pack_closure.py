@@ -39,7 +39,9 @@ def trace(sglang_version: str) -> set[str]:
     cached = BUILD / f"closure-{key}.json"
     if cached.exists():
         return set(json.loads(cached.read_text()))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(STUBS), str(ROOT / "src")]), **TREE_CORE_ENV)
+    # This package as the running interpreter has it installed (editable: this tree's src; or the wheel `make test`
+    # installs): src alone has no block index.
+    env = dict(os.environ, PYTHONPATH=str(STUBS), **TREE_CORE_ENV)
     names, out = set(), BUILD / "modules.json"
     (BUILD / "trace.log").write_text("")
     drive = [sys.executable, str(ROOT / "tests" / "gpu" / "pack_drive.py"), "--hide-absent", "--modules", str(out)]
