@@ -8,7 +8,7 @@ the median of ``--runs`` after a warm-up, of:
 * host hit: P evicted to KVBM's host tier; ``KvbmCache.prefix(wait=False)`` starts the layer-wise load, the forward
   of S reads each layer through the pool once it has landed, ``land`` after it;
 * disk hit: the same on a disk-only stack (no host tier), P evicted to disk, read back through the tier's staging
-  (whose blocks are dropped before each run, so every run reads the disk);
+  (sized to hold P; its blocks are dropped before each run, so every run reads the disk);
 * HiCache host hit: SGLang's own host tier on the same model and pool shape (``gpu_hicache.py`` says what it needs);
 * memcpy: P's K+V bytes, host -> device, one copy per layer (CUDA: pinned), in the same run (CPU: a plain copy).
 
@@ -89,8 +89,10 @@ def measure_kvbm(bench: Bench, prefix: int, suffixes: list, page: int, disk_dir:
     try:
         disk_pool = Pool(model, prefix + smax + 2 * page, page, context)
         os.makedirs(os.path.join(disk_dir, f"p{prefix}"), exist_ok=True)
+        # The read staging (SGLANG_KVBM_READ_STAGING_GB, default 1 GiB) holds all of P: one load brings it whole.
         disk = kvbm_stack(disk_pool, bench, disk_cache_blocks=prefix // page + 16, load_wait_ms=30_000,
-                          disk_cache_dir=os.path.join(disk_dir, f"p{prefix}"), disable_disk_offload_filter=True)
+                          disk_cache_dir=os.path.join(disk_dir, f"p{prefix}"), disable_disk_offload_filter=True,
+                          read_staging_gb=max(1.0, 1.1 * kv_bytes / (1 << 30)))
         bench.populate(disk_pool, ids_p, lambda slots: disk.insert(tokens_p, slots))
         disk.flush(timeout=600)
         store = disk.linker.manager.tier("disk").store

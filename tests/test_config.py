@@ -48,11 +48,22 @@ def test_block_override_wins_over_size():
         ("DYN_KVBM_DISK_ZEROFILL_FALLBACK", "maybe"),
         ("DYN_KVBM_DISK_DISABLE_O_DIRECT", "2"),
         ("DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER", "yes please"),
+        ("SGLANG_KVBM_READ_STAGING_GB", "0"),
+        ("SGLANG_KVBM_READ_STAGING_GB", "some"),
+        ("SGLANG_KVBM_READ_STAGING_GB", "inf"),
     ],
 )
 def test_bad_value_names_the_variable(name, value):
     with pytest.raises(ConfigError, match=name):
         KvbmConfig.from_env({name: value})
+
+
+def test_read_staging_holds_what_one_load_brings_from_below_host():
+    """1 GiB unless set, at least 16 blocks, at most the device pool's pages."""
+    assert KvbmConfig().read_staging_blocks(1 << 20, 10_000) == 1024
+    assert KvbmConfig.from_env({"SGLANG_KVBM_READ_STAGING_GB": "4.5"}).read_staging_blocks(1 << 20, 10_000) == 4608
+    assert KvbmConfig(read_staging_gb=64).read_staging_blocks(1 << 20, 10_000) == 10_000
+    assert KvbmConfig(read_staging_gb=0.001).read_staging_blocks(1 << 20, 10_000) == 16
 
 
 def test_too_small_to_hold_a_block():

@@ -44,6 +44,7 @@ pytestmark = pytest.mark.usefixtures("loads_wait_for_their_reads")  # what a loa
 
 
 _junk = itertools.count()
+GIB = 1 << 30
 
 
 def medium(event) -> str:
@@ -141,6 +142,22 @@ def test_host_to_disk_and_back_bytes_equal(stack_factory, tmp_path):
     load_exact(stack, tokens, written)
     stats = stack.linker.connector.stats
     assert stats.onboard_blocks_d2d == 8 and stats.onboard_blocks_h2d == 0 and stats.offload_blocks_h2d >= 8
+
+
+def test_read_staging_bounds_what_one_load_brings_from_disk(stack_factory, tmp_path):
+    """``SGLANG_KVBM_READ_STAGING_GB``: the rows disk reads land in. A hit longer than they hold loads that much,
+    byte for byte, and the request recomputes the rest."""
+    probe_stack = disk_stack(stack_factory, tmp_path / "probe", size=256)
+    block_bytes = probe_stack.layout.block_bytes
+    assert probe_stack.manager.staging.capacity == 64  # the default, 1 GiB, is more than the 64-page pool
+    stack = disk_stack(stack_factory, tmp_path / "small", size=256, config={"read_staging_gb": 20 * block_bytes / GIB})
+    assert stack.manager.staging.capacity == 20
+    tokens = list(range(5000, 5000 + 32 * stack.page_size))
+    written = on_disk_only(stack, tokens, seed=50)
+    req, match, loaded, slots, _ = stack.admit(tokens + [1], "staged")
+    assert (device_prefix_len(match), loaded) == (0, 20 * stack.page_size)
+    assert stack.finish(req)
+    assert all(torch.equal(got, want) for got, want in zip(stack.read_pages(slots), written[:20]))
 
 
 def test_disk_store_is_announced_only_after_the_host_store(stack_factory, tmp_path):

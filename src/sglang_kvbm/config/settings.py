@@ -32,6 +32,7 @@ from sglang_kvbm.config.values import (  # ConfigError: everyone imports it from
     _positive_float,
     _positive_int,
     _priority,
+    _staging_gib,
     _wait_ms,
 )
 from sglang_kvbm.tiers.mooncake import settings as mooncake
@@ -107,6 +108,10 @@ _VARS: tuple[_Var, ...] = (
     _Var("SGLANG_KVBM_LOAD_WAIT_MS", "load_wait_ms", _wait_ms,
          "the least a load waits for its own disk and G4 reads before the request recomputes them (default 50 ms, "
          "plus 3x what the read meter expects; a first G4 read 500)"),
+    _Var("SGLANG_KVBM_READ_STAGING_GB", "read_staging_gb", _staging_gib,
+         "host memory (pinned on CUDA) that reads from disk and the shared tiers land in before the device copy "
+         "(default 1 GiB, at most the device pool): the longest prefix one load brings from below host, the rest "
+         "of a longer hit is recomputed"),
     _Var(
         "DYN_KVBM_CACHE_STATS_MAX_REQUESTS",
         "cache_stats_max_requests",
@@ -230,6 +235,7 @@ class KvbmConfig:
     host_offload_min_priority: int = 0
     cache_stats_max_requests: int = 1000
     load_wait_ms: Optional[float] = None
+    read_staging_gb: Optional[float] = None
     mooncake_master: Optional[str] = None
     mooncake_metadata: Optional[str] = None
     mooncake_protocol: str = "tcp"
@@ -320,6 +326,12 @@ class KvbmConfig:
     def disk_blocks(self, slot_bytes: int) -> int:
         """Blocks in the disk tier for slots of ``slot_bytes`` (0 when the tier is off)."""
         return _blocks(self.disk_cache_blocks, self.disk_cache_gb, slot_bytes, "DYN_KVBM_DISK_CACHE_GB")
+
+    def read_staging_blocks(self, block_bytes: int, device_pages: int) -> int:
+        """Rows of the read staging for KV blocks of ``block_bytes`` (their share of every pool's bytes): what one
+        load can bring from below host, at least 16 and at most the device pool's pages."""
+        budget = int((self.read_staging_gb if self.read_staging_gb is not None else 1.0) * GIB)
+        return max(16, min(device_pages, budget // block_bytes))
 
     @property
     def has_host(self) -> bool:

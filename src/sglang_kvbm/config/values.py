@@ -136,6 +136,18 @@ def _directory(name: str, raw: str) -> str:
     return os.path.abspath(os.path.expanduser(raw))
 
 
+def _staging_gib(name: str, raw: str) -> float:
+    """GiB of host rows that reads from the tiers below host land in (not a tier: unsetting it keeps the default)."""
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number: set it to a size in GiB, e.g. {_eg(name, 4)}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{name}={raw!r} must be a positive size in GiB: set it to one, e.g. {_eg(name, 4)}, or "
+                          f"{_unset(name)} for the default (1 GiB)")
+    return value
+
+
 def _gib_or_zero(name: str, raw: str) -> float:
     """GiB that may be 0 (lend nothing: a standalone store process lends the memory)."""
     try:

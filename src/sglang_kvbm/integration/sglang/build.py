@@ -79,6 +79,7 @@ def build_tiers(
     row_bytes = round(sum(each.block_bytes * share for each, share in zip(layouts, shares)))  # per KV block
     host_blocks = config.host_blocks(row_bytes)
     device_pages = allocator.size // params.page_size
+    staging_blocks = config.read_staging_blocks(row_bytes, device_pages)
     if config.has_host and host_blocks < device_pages:
         logger.warning(
             "kvbm: the host tier (%d blocks) is smaller than the device KV pool (%d pages): "
@@ -110,6 +111,7 @@ def build_tiers(
         kv = name == "kv"  # the tests' gated threads and the metrics observe the KV pool's copies
         managers.append(LocalBlockManager(
             pool_layout, pool_blocks(host_blocks, share), pin=layout.is_cuda, tiers=tiers,
+            staging_blocks=pool_blocks(staging_blocks, share),
             policy=policy, observer=observer if kv else None, executor=offload_executor if kv else None,
             wait_floor=None if config.load_wait_ms is None else config.load_wait_ms / 1000,
         ))
