@@ -70,6 +70,7 @@ def _accepted(settings) -> dict:
         values._priority: "a whole number, 0-100",
         values._wait_ms: "milliseconds, 0-30000",
         values._gib_or_zero: "`0`, or a number of GiB above 0",
+        values._staging_gib: "a number of GiB above 0 (unset: 1 GiB)",
         values._identity_name: "1-128 of letters, digits and `._:@/+-`",
         values._file_path: "a file path (`~` expanded, made absolute)",
         mooncake.address: "`host:port`, port 1-65535",

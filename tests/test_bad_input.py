@@ -27,6 +27,7 @@ BAD = {
     "endpoint": ["127.0.0.1:9000", "ftp://host/", "http://", "http://host:port"],
     "text": ["us east", "a\tb"],
     "_gib_or_zero": ["four", "-1", "nan", "inf"],
+    "_staging_gib": ["four", "-1", "0", "nan", "inf"],
     "_identity_name": ["my model", "v1;rm", "x" * 129, "caf\u00e9"],
     "_file_path": ["/tmp/a\x00b"],
     "_wait_ms": ["-1", "30001", "nan", "inf", "soon"],
