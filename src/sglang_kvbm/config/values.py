@@ -38,7 +38,7 @@ def _unset(name: str) -> str:
     return "leave the key out" if isinstance(name, JsonKey) else "unset it"
 
 
-def _positive_float(name: str, raw: str) -> float:
+def _gib(name: str, raw: str, unset: str) -> float:
     try:
         value = float(raw)
     except ValueError:
@@ -46,9 +46,13 @@ def _positive_float(name: str, raw: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise ConfigError(
             f"{name}={raw!r} must be a positive size in GiB: set it to one, e.g. {_eg(name, 4)}, or {_unset(name)} "
-            "to disable the tier"
+            f"{unset}"
         )
     return value
+
+
+def _positive_float(name: str, raw: str) -> float:
+    return _gib(name, raw, "to disable the tier")
 
 
 def _wait_ms(name: str, raw: str) -> float:
@@ -138,14 +142,7 @@ def _directory(name: str, raw: str) -> str:
 
 def _staging_gib(name: str, raw: str) -> float:
     """GiB of host rows that reads from the tiers below host land in (not a tier: unsetting it keeps the default)."""
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a number: set it to a size in GiB, e.g. {_eg(name, 4)}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{name}={raw!r} must be a positive size in GiB: set it to one, e.g. {_eg(name, 4)}, or "
-                          f"{_unset(name)} for the default (1 GiB)")
-    return value
+    return _gib(name, raw, "for the default (1 GiB)")
 
 
 def _gib_or_zero(name: str, raw: str) -> float:

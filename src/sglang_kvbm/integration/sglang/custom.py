@@ -171,7 +171,7 @@ class KvbmCache:
         if counter.consumer_index == pending.index:
             counter.set_consumer(-1)  # the next forward reads no load unless it is given one
         if pending.key is None:  # SGLang 0.5.21: in the tree already; a failed load is redone (LayerCounter.redo)
-            self.linker.layer_done_counter.finish(pending.index)
+            counter.finish(pending.index)
             tree.check_hicache_events()  # the tree lets go of its own pin on the loaded node
             return dataclasses.replace(hit, pending=None)
         if tree.finish_external_linker_loads([pending.req]):  # the load failed: recompute
