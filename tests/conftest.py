@@ -240,15 +240,13 @@ class Stack:
         from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, MatchPrefixParams
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
-        from sglang_kvbm.integration.sglang.compat import loaded_tail
+        from sglang_kvbm.integration.sglang.compat import admit_match, loaded_tail
 
         req = make_req(tokens, rid, cache_salt=cache_salt, extra_key=extra_key)
         usable = (len(tokens) - 1) // self.page_size * self.page_size
         key = RadixKey(array("q", tokens[:usable]), extra_key, cache_salt=cache_salt)
         match = self.tree.match_prefix(MatchPrefixParams(key=key, req=req))
-        req.last_node = match.last_device_node
-        if getattr(match, "device_indices", None) is not None:  # SGLang 0.5.21 loads after the request's prefix
-            req.prefix_indices = match.device_indices
+        admit_match(req, match)
         loaded, slots, index = 0, None, -1
         if match.host_hit_length:
             loaded, inserted = loaded_tail(self.tree.init_load_back(InitLoadBackParams(

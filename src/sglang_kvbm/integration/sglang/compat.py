@@ -235,6 +235,15 @@ def loaded_tail(result) -> tuple[int, Optional["torch.Tensor"]]:
     return len(loaded), (loaded if len(loaded) else None)
 
 
+def admit_match(req, match) -> None:
+    """What ``init_load_back`` reads off a request after its match, as the scheduler sets it: the matched device
+    node, and on releases whose match carries the device indices (0.5.21) the prefix the load goes after."""
+    req.last_node = match.last_device_node
+    indices = getattr(match, "device_indices", None)
+    if indices is not None:
+        req.prefix_indices = indices
+
+
 def device_prefix_len(match) -> int:
     """Tokens of a ``MatchResult`` found in the device pool (0.5.21 gives their indices only)."""
     length = getattr(match, "device_prefix_len", None)

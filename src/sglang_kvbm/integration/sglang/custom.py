@@ -28,7 +28,7 @@ from sglang.srt.sampling.sampling_params import SamplingParams
 
 from sglang_kvbm.config import KvbmConfig
 from sglang_kvbm.integration.sglang.build import Identity
-from sglang_kvbm.integration.sglang.compat import device_prefix_len, loaded_tail, path_device_indices
+from sglang_kvbm.integration.sglang.compat import admit_match, device_prefix_len, loaded_tail, path_device_indices
 from sglang_kvbm.integration.sglang.linker import KvbmLinker
 from sglang_kvbm.integration.sglang.tier_query import TierTokens
 
@@ -131,9 +131,7 @@ class KvbmCache:
         lock = tree.inc_lock_ref(node).to_dec_params()  # held across the load: evictions cannot take it
         if not match.host_hit_length:
             return PrefixHit(path_device_indices(tree, node)[:device], node, device, 0, lock)
-        req.last_node = node
-        if getattr(match, "device_indices", None) is not None:  # SGLang 0.5.21 loads after these
-            req.prefix_indices = match.device_indices
+        admit_match(req, match)
         result = tree.init_load_back(
             InitLoadBackParams(best_match_node=match.best_match_node, host_hit_length=match.host_hit_length, req=req)
         )
