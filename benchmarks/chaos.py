@@ -51,9 +51,10 @@ import chaos_selfcheck
 from chaos_run import ChaosPass, Tally, reference_pass
 from chaos_worker import WARM_UP, Worker
 from chaos_workload import build
+import checkout  # noqa: F401  (tests/harness on sys.path)
 from common import mean, out_dir, pct, scratch_dir, table
-from sglang_kvbm.testing.model import CHAOS, make_model
-from sglang_kvbm.testing.server import SglangServer
+from sglang_kvbm.ops.demo.model import CHAOS, make_model
+from sglang_kvbm.ops.demo.server import SglangServer
 
 
 def parse() -> argparse.Namespace:
@@ -143,7 +144,7 @@ def main() -> int:
     workers = []
     try:
         if args.mooncake:
-            from sglang_kvbm.testing.mooncake import MooncakeCluster
+            from harness.mooncake import MooncakeCluster
 
             cluster = MooncakeCluster(scratch, lend="512MB").__enter__()
         for name in ("A", "B") if args.mooncake else ("A",):

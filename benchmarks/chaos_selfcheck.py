@@ -17,7 +17,7 @@ from pathlib import Path
 
 from chaos_run import Tally, replay_pass
 from common import table
-from sglang_kvbm.testing.server import SglangServer
+from sglang_kvbm.ops.demo.server import SglangServer
 
 
 def kv_probe(model_dir: Path, prompts: int = 30, length: int = 300) -> dict:

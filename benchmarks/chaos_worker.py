@@ -17,7 +17,7 @@ from typing import Optional
 
 import requests
 
-from sglang_kvbm.testing.server import SglangServer, free_port
+from sglang_kvbm.ops.demo.server import SglangServer, free_port
 
 WARM_UP = [4000 + i for i in range(48)]  # three pages no schedule's prompt starts with
 

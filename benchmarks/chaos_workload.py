@@ -17,7 +17,7 @@ import dataclasses
 import random
 from typing import Optional
 
-from sglang_kvbm.testing.model import prompt_ids
+from sglang_kvbm.ops.demo.model import prompt_ids
 
 ANSWER = 8  # greedy tokens per request (ignore_eos): prompt lengths are known before any answer
 MAX_PROMPT = 1400  # under the model's 2048 positions and the default 1536-token device pool, with the answer

@@ -33,9 +33,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import checkout  # noqa: F401  (tests/harness on sys.path)
 from common import mean, out_dir, pct, save_plot, table
-from sglang_kvbm.testing.dynamo import DynamoFrontend, DynamoWorker
-from sglang_kvbm.testing.model import DEMO, make_model, prompt_ids
+from harness.dynamo import DynamoFrontend, DynamoWorker
+from sglang_kvbm.ops.demo.model import DEMO, make_model, prompt_ids
 
 MODEL = "gpt2-demo"
 

@@ -3,7 +3,7 @@
 Sliding-window and Mamba hybrids and draft KV cannot be trusted in a real CPU
 server (see ``tests/test_hybrid_swa.py``), so this measures in process what a
 tier hit costs the scheduler thread on SGLang's own pools and default tree
-(``sglang_kvbm.testing.hybrid``): each round computes and inserts a fresh
+(``harness.hybrid``): each round computes and inserts a fresh
 prompt (its write-through offload included, timed as ``insert``), evicts the
 device cache, and brings the prompt back from the host tier: ``match``
 (``match_prefix`` with the linker's lookup), ``load`` (``init_load_back`` and
@@ -24,6 +24,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
+import checkout  # noqa: F401  (tests/harness on sys.path)
 import torch
 
 KINDS = ("dense", "swa", "mamba", "draft")
@@ -32,7 +33,7 @@ TARGET = 1.5
 
 
 def run(kind: str, rounds: int, pages: int, page_size: int, workdir: Path) -> tuple[dict, int, int]:
-    from sglang_kvbm.testing.hybrid import admit, build
+    from harness.hybrid import admit, build
 
     h = build(kind, workdir / kind, page_size=page_size, window=2 * page_size + 1, host_blocks=4 * pages + 64,
               requests=2 * rounds + 8)

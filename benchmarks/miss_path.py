@@ -16,9 +16,9 @@ import sys
 import time
 
 from common import mean, out_dir, pct, save_plot, scratch_dir, table, verdict
-from sglang_kvbm.ops.demo import _stream_generate
-from sglang_kvbm.testing.model import DEMO, make_model, prompt_ids
-from sglang_kvbm.testing.server import SglangServer
+from sglang_kvbm.ops.demo.run import _stream_generate
+from sglang_kvbm.ops.demo.model import DEMO, make_model, prompt_ids
+from sglang_kvbm.ops.demo.server import SglangServer
 
 
 def measure(server, seeds, length, answer):

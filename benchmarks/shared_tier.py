@@ -38,10 +38,11 @@ from pathlib import Path
 
 import requests
 
+import checkout  # noqa: F401  (tests/harness on sys.path)
 from common import mean, pct, table, verdict
-from sglang_kvbm.ops.demo import _stream_generate
-from sglang_kvbm.testing.model import DEMO, make_model, prompt_ids
-from sglang_kvbm.testing.server import SglangServer, free_port
+from sglang_kvbm.ops.demo.run import _stream_generate
+from sglang_kvbm.ops.demo.model import DEMO, make_model, prompt_ids
+from sglang_kvbm.ops.demo.server import SglangServer, free_port
 
 
 @dataclasses.dataclass
@@ -105,7 +106,7 @@ def main() -> int:
     parser.add_argument("--answer", type=int, default=8)
     parser.add_argument("--pool", type=int, default=8192, help="each worker's device KV pool, tokens")
     args = parser.parse_args()
-    from sglang_kvbm.testing.mooncake import MooncakeCluster
+    from harness.mooncake import MooncakeCluster
 
     runs = []
     with tempfile.TemporaryDirectory(prefix="shared-tier-") as tmp:

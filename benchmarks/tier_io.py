@@ -48,7 +48,7 @@ from sglang_kvbm.core.ports import StoreRequest
 from sglang_kvbm.tiers.disk.nixl_io import NixlFileIO
 from sglang_kvbm.tiers.disk.setup import probe
 from sglang_kvbm.tiers.disk.store import DiskStore
-from sglang_kvbm.tiers.manager import LocalBlockManager
+from sglang_kvbm.manager.block_manager import LocalBlockManager
 from sglang_kvbm.transfer import copies
 from sglang_kvbm.transfer.host_memory import aligned_empty
 from sglang_kvbm.transfer.indexes import index

@@ -56,7 +56,7 @@ def _settings():
 
 def _accepted(settings) -> dict:
     """What each parser of the table accepts, in words: parser function -> text."""
-    values = importlib.import_module("sglang_kvbm.config.values")
+    values = importlib.import_module("sglang_kvbm.base.values")
     mooncake = importlib.import_module("sglang_kvbm.tiers.mooncake.settings")
     object_tier = importlib.import_module("sglang_kvbm.tiers.object.settings")
     return {

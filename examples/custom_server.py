@@ -23,7 +23,7 @@ from transformers import DynamicCache, GPT2LMHeadModel
 
 from sglang_kvbm import KvbmConfig
 from sglang_kvbm.integration.sglang import build_cache
-from sglang_kvbm.testing.model import TEST, make_model, prompt_ids
+from sglang_kvbm.ops.demo.model import TEST, make_model, prompt_ids
 
 PAGE = 4
 

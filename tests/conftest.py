@@ -13,11 +13,11 @@ from typing import Optional
 import pytest
 import torch
 
-from sglang_kvbm.tiers import lookups
+from sglang_kvbm.manager import lookups
 from sglang_kvbm.transfer.kv_layout import PagedKvLayout
 from sglang_kvbm.transfer.lanes import LaneExecutor
 
-# Dynamo's environment of this checkout (sglang_kvbm.testing.dynamo_env), also when the package under test is the
+# Dynamo's environment of this checkout (harness.dynamo_env), also when the package under test is the
 # installed wheel rather than this source tree; the servers the tests start inherit it.
 os.environ.setdefault("DYNAMO_PYTHON", str(Path(__file__).resolve().parents[1] / ".venv-dynamo" / "bin" / "python"))
 
@@ -435,7 +435,7 @@ def make_req(tokens, rid: str = "r", *, cache_salt: Optional[str] = None, extra_
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
-    from sglang_kvbm.testing.model import TEST, make_model
+    from sglang_kvbm.ops.demo.model import TEST, make_model
 
     return make_model(tmp_path_factory.mktemp("model"), TEST)
 
@@ -446,7 +446,7 @@ E2E_SEQUENCE = ["A", "B", "C", "A"]
 
 
 def e2e_prompts():
-    from sglang_kvbm.testing.model import prompt_ids
+    from sglang_kvbm.ops.demo.model import prompt_ids
 
     return {name: prompt_ids(seed, 600) for seed, name in enumerate("ABC")}
 
@@ -479,7 +479,7 @@ def stock_server(model_dir, tmp_path_factory):
     """Stock SGLang (no kvbm), a device pool large enough to keep every prompt the tests send:
     the reference, one per session (per pytest-xdist worker), up until the session ends. Its
     first requests are the end-to-end sequence's, so that sequence's "A" is a cold run."""
-    from sglang_kvbm.testing.server import SglangServer
+    from sglang_kvbm.ops.demo.server import SglangServer
 
     log = tmp_path_factory.mktemp("stock") / "server.log"
     with SglangServer(model_dir, max_total_tokens=8192, log_path=log) as server:

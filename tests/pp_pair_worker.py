@@ -83,7 +83,7 @@ def swa_window(stage, group, root):
     """A sliding-window hybrid: stage 1 lost the window page of the last boundary; both serve the one before it."""
     from sglang.test.kits.unified_radix_cache import fixtures
 
-    from sglang_kvbm.testing import hybrid
+    from harness import hybrid
 
     kit = fixtures.build_fixture
 

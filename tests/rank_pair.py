@@ -28,7 +28,7 @@ def results(tmp_path_factory) -> list[dict]:
 
 
 def _run(tmp: Path) -> list[dict]:
-    from sglang_kvbm.testing.server import free_port
+    from sglang_kvbm.ops.demo.server import free_port
 
     port = free_port()
     procs = [subprocess.Popen([sys.executable, __file__, str(rank), str(port), str(tmp / f"rank{rank}.json"),
@@ -55,7 +55,7 @@ def main(rank: int, port: int, out: str, root: str) -> None:
     sys.path.insert(0, str(HERE))
     import pp_pair_worker
     import tp_pair_worker
-    from sglang_kvbm.tiers import lookups
+    from sglang_kvbm.manager import lookups
 
     # Loads must land whatever the machine is doing (conftest.loads_wait_for_their_reads); the one
     # scenario about the budget (tp_pair_worker.slow_read) sets its own.

@@ -258,7 +258,7 @@ def test_copies_never_race_page_reuse_or_reset(tmp_path, tiers, seed):
 
 def check_disk(disk, scenario) -> None:
     """Every registered disk block's slot holds its header and exactly its KV; every slot is accounted for."""
-    from sglang_kvbm.tiers.disk.format import decode_header
+    from sglang_kvbm.tiers.format import decode_header
 
     accounting = disk.accounting()
     assert accounting["registered"] + accounting["free"] == accounting["slots"], accounting

@@ -12,7 +12,7 @@ from sglang_kvbm.core.identity import chain_hashes
 from sglang_kvbm.core.pages import one_page
 from sglang_kvbm.core.ports import StoreRequest
 from sglang_kvbm.core.tiers import Tier
-from sglang_kvbm.tiers.manager import LocalBlockManager
+from sglang_kvbm.manager.block_manager import LocalBlockManager
 from sglang_kvbm.transfer import copies
 from sglang_kvbm.transfer.indexes import index
 from sglang_kvbm.transfer.kv_layout import PagedKvLayout

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sglang_kvbm.core.pages import one_page
-from sglang_kvbm.tiers.disk.format import BlockHeader, decode_header, encode_header, header_bytes_for
+from sglang_kvbm.tiers.format import BlockHeader, decode_header, encode_header, header_bytes_for
 from sglang_kvbm.tiers.disk.store import DiskStore
 from test_disk_tier import disk_stored, load_exact, on_disk_only, push_out_of_host
 

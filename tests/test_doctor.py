@@ -12,7 +12,7 @@ from permissions import make_unwritable, make_writable
 from sglang_kvbm.config import ConfigError
 from sglang_kvbm.ops import doctor as doctor_module
 from sglang_kvbm.ops.doctor import diagnose
-from sglang_kvbm.ops.versions import SUPPORTED_SGLANG, check_sglang_version
+from sglang_kvbm.base.versions import SUPPORTED_SGLANG, check_sglang_version
 
 
 def doctor(env_extra, *args):
@@ -168,14 +168,14 @@ def test_license_is_an_spdx_expression_with_its_file():
 
 
 def test_version_module_imports_neither_sglang_nor_torch():
-    code = "import sys, sglang_kvbm.ops.versions; print([m for m in ('sglang', 'torch') if m in sys.modules])"
+    code = "import sys, sglang_kvbm.base.versions; print([m for m in ('sglang', 'torch') if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_g4_master_that_answers_and_one_that_does_not(tmp_path):
-    from sglang_kvbm.testing.mooncake import MooncakeCluster
-    from sglang_kvbm.testing.server import free_port
+    from harness.mooncake import MooncakeCluster
+    from sglang_kvbm.ops.demo.server import free_port
 
     base = {"DYN_KVBM_CPU_CACHE_GB": "1"}
     with MooncakeCluster(tmp_path, lend="") as cluster:
@@ -202,7 +202,7 @@ def listening_socket(host: str) -> socket.socket:
 
 
 def test_g4_listeners_of_a_master_bound_to_loopback(tmp_path):
-    from sglang_kvbm.testing.mooncake import MooncakeCluster
+    from harness.mooncake import MooncakeCluster
 
     with MooncakeCluster(tmp_path, lend="") as cluster:
         found = rows({**G4, "SGLANG_KVBM_MOONCAKE_MASTER": cluster.master_address,
@@ -216,7 +216,7 @@ def test_g4_listeners_of_a_master_bound_to_loopback(tmp_path):
 
 
 def test_g4_metadata_server_on_every_address_is_a_warning_with_the_fix(tmp_path):
-    from sglang_kvbm.testing.mooncake import MooncakeCluster
+    from harness.mooncake import MooncakeCluster
 
     with MooncakeCluster(tmp_path, lend="") as cluster, listening_socket("0.0.0.0") as everywhere, \
             listening_socket("127.0.0.1") as loopback:
@@ -243,7 +243,7 @@ def test_g4_master_rpc_on_every_address_is_a_warning():
                                             ("17000", "16000", "falls back"), ("abc", None, "falls back"),
                                             ("62000", "62000", "holds 1 port")])
 def test_g4_transfer_port_range_that_mooncake_refuses_or_too_small_warns(low, high, why):
-    from sglang_kvbm.testing.server import free_port
+    from sglang_kvbm.ops.demo.server import free_port
 
     env = {**G4, "SGLANG_KVBM_MOONCAKE_MASTER": f"127.0.0.1:{free_port()}",
            "SGLANG_KVBM_MOONCAKE_METADATA": "P2PHANDSHAKE", "MC_MIN_RPC_PORT": low}
@@ -266,7 +266,7 @@ def test_g4_with_legacy_rpc_port_binding_is_a_problem(value):
 
 
 def test_object_tier_rows_and_credentials_are_not_printed(tmp_path):
-    from sglang_kvbm.testing.s3 import S3Server
+    from harness.s3 import S3Server
 
     env = {"DYN_KVBM_CPU_CACHE_GB": "1", "DYN_KVBM_OBJECT_ENABLED": "1", "DYN_KVBM_OBJECT_BUCKET": "kv-{worker_id}",
            "DYN_KVBM_OBJECT_ACCESS_KEY": "AKIDEXAMPLE", "DYN_KVBM_OBJECT_SECRET_KEY": "wJalrXUtnFEMI"}

@@ -2,7 +2,7 @@
 
 In process on SGLang's own MHA pool, allocator and default tree (EAGLE's bigram
 keys on) with an EAGLE draft runner's pool beside it, handed to the tree as
-``CacheInitParams.sidecar_draft_device_pools`` as SGLang does (``sglang_kvbm.testing.hybrid``).
+``CacheInitParams.sidecar_draft_device_pools`` as SGLang does (``harness.hybrid``).
 The draft's page shares the target's token slot, so it is stored in the same
 block and verified by the same checksum: a request never gets target KV
 without its draft KV.
@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("sglang.srt.mem_cache.unified_cache.linker_factory", reason="SGLang before 0.5.23 builds these "
                     "hybrid pools without a linker factory (compat refuses or serves them; see test_startup_refusals)")
 
-from sglang_kvbm.testing.hybrid import admit, build, equal, kv_bytes
+from harness.hybrid import admit, build, equal, kv_bytes
 from test_disk_tier import data_offset, flip_bit, segment_path
 
 # loads must land whatever the machine is doing (not this file's subject: test_disk_lanes.py tests the budget)

@@ -15,7 +15,7 @@ pins the filler requests that push a prefix down the tiers of one worker.
   blind to lower tiers follows: checked with a second router whose host and disk weights are 0);
 * the same from the disk tier, once the host tier has let the prefix go;
 * the router's per-tier view of each worker (a second ``KvRouter`` on the same event stream,
-  ``sglang_kvbm.testing.dynamo_router_view``) equals each worker's own ``/tiers`` answer.
+  ``sglang_kvbm.integration.dynamo.router_view``) equals each worker's own ``/tiers`` answer.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import time
 import pytest
 
 from conftest import CPU_PAGED_ALLOC_ENV, LOGPROB_TOLERANCE
-from sglang_kvbm.testing.dynamo import DynamoFrontend, DynamoWorker, dynamo_python
-from sglang_kvbm.testing.dynamo_router_view import RouterView
-from sglang_kvbm.testing.model import prompt_ids
+from harness.dynamo import DynamoFrontend, DynamoWorker, dynamo_python
+from harness.router_view import RouterView
+from sglang_kvbm.ops.demo.model import prompt_ids
 
 pytestmark = pytest.mark.server
 

@@ -26,9 +26,9 @@ import requests
 import zmq
 
 from conftest import CPU_PAGED_ALLOC_ENV, LOGPROB_TOLERANCE
-from sglang_kvbm.testing.dynamo import DynamoFrontend, DynamoWorker, dynamo_python
-from sglang_kvbm.testing.model import prompt_ids
-from sglang_kvbm.testing.mooncake import MooncakeCluster
+from harness.dynamo import DynamoFrontend, DynamoWorker, dynamo_python
+from sglang_kvbm.ops.demo.model import prompt_ids
+from harness.mooncake import MooncakeCluster
 from sglang_kvbm.tiers.mooncake.events import announced, list_keys
 
 pytestmark = pytest.mark.server

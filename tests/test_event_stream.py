@@ -16,7 +16,7 @@ import zmq
 from sglang.srt.disaggregation.kv_events import BlockStored, KVEventBatch, ZmqEventPublisher
 
 from sglang_kvbm.integration.sglang.event_stream import replay
-from sglang_kvbm.testing.server import free_port
+from sglang_kvbm.ops.demo.server import free_port
 
 
 def batch(i: int) -> KVEventBatch:

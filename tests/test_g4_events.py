@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import zmq
 
-from sglang_kvbm.testing.mooncake import MooncakeCluster
+from harness.mooncake import MooncakeCluster
 from sglang_kvbm.tiers.mooncake.events import EventRelay, announced
 
 TAG = "kvbm-0123456789abcdef_org-tiny"
@@ -107,8 +107,8 @@ def test_relay_survives_the_master_going_away(cluster):
 def test_the_worker_registers_the_names_its_ranks_write():
     from types import SimpleNamespace
 
-    from sglang_kvbm.tiers.mooncake.dynamo import registration
-    from sglang_kvbm.tiers.mooncake.l3_layout import layout
+    from sglang_kvbm.integration.dynamo.mooncake import registration
+    from sglang_kvbm.integration.sglang.l3_layout import layout
     from sglang_kvbm.tiers.mooncake.store import G4Settings, G4Store, object_suffix
 
     g4 = G4Store(G4Settings("127.0.0.1:1", "P2PHANDSHAKE"), fingerprint=bytes(range(32)), model_name="org/tiny",

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from sglang_kvbm.core.pages import one_page
-from sglang_kvbm.testing.mooncake import MooncakeCluster
+from harness.mooncake import MooncakeCluster
 from sglang_kvbm.tiers.mooncake import listeners
 from sglang_kvbm.tiers.mooncake.store import G4Settings, G4Store, key_prefix, object_suffix
 from sglang_kvbm.transfer.host_memory import aligned_empty

@@ -17,7 +17,7 @@ import pytest
 
 from sglang_kvbm.config import ConfigError, KvbmConfig
 from sglang_kvbm.integration.sglang.build import Identity
-from sglang_kvbm.testing.mooncake import MooncakeCluster
+from harness.mooncake import MooncakeCluster
 from test_disk_tier import load_exact
 
 TOKENS = list(range(500, 532))  # 8 pages of 4

@@ -22,11 +22,11 @@ import torch
 
 from sglang_kvbm.core.pages import one_page
 from sglang_kvbm.core.ports import StoreRequest
-from sglang_kvbm.testing.mooncake import MooncakeCluster
+from harness.mooncake import MooncakeCluster
 from sglang_kvbm.tiers.disk.setup import probe
 from sglang_kvbm.tiers.disk.store import DiskStore
 from sglang_kvbm.tiers.disk.tier import DiskTier
-from sglang_kvbm.tiers.manager import LocalBlockManager
+from sglang_kvbm.manager.block_manager import LocalBlockManager
 from sglang_kvbm.tiers.mooncake.store import G4Settings, G4Store
 from sglang_kvbm.tiers.mooncake.tier import MooncakeTier
 from sglang_kvbm.transfer import copies

@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sglang_kvbm.observe.endpoint import stats_of
 from sglang_kvbm.observe.metrics import PER_TIER
-from sglang_kvbm.testing.server import free_port
+from sglang_kvbm.ops.demo.server import free_port
 from test_disk_tier import data_offset, flip_bit, load_exact, on_disk_only, segment_path
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "sglang-kvbm.json"

@@ -2,7 +2,7 @@
 
 Proven in process on SGLang's own ``HybridLinearKVPool`` (MHA full layers,
 which SGLang's own ``resolve_hybrid_device_pool_group`` refuses) with its
-``MambaPool``, allocator and default tree on CPU (``sglang_kvbm.testing.hybrid``). A real
+``MambaPool``, allocator and default tree on CPU (``harness.hybrid``). A real
 server cannot be trusted here: a tiny ``Qwen3NextForCausalLM`` builds a
 CUDA-only norm on CPU (``models/qwen3_next.py`` ``FusedRMSNormGated``).
 
@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("sglang.srt.mem_cache.unified_cache.linker_factory", reason="SGLang before 0.5.23 builds these "
                     "hybrid pools without a linker factory (compat refuses or serves them; see test_startup_refusals)")
 
-from sglang_kvbm.testing.hybrid import admit, build, equal, kv_bytes, mamba_bytes
+from harness.hybrid import admit, build, equal, kv_bytes, mamba_bytes
 
 # loads must land whatever the machine is doing (not this file's subject: test_disk_lanes.py tests the budget)
 pytestmark = pytest.mark.usefixtures("loads_wait_for_their_reads")

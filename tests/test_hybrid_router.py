@@ -1,7 +1,7 @@
 """Dynamo's real indexer, fed a hybrid worker's KV events, predicts the hit each tier then serves.
 
 The worker is SGLang's own hybrid pools and default tree with the kvbm linker
-(``sglang_kvbm.testing.hybrid``, in process: see ``test_hybrid_swa`` / ``test_hybrid_mamba`` for
+(``harness.hybrid``, in process: see ``test_hybrid_swa`` / ``test_hybrid_mamba`` for
 why no real server); its events (the tree's ``GPU`` ones and the tiers'
 ``CPU_PINNED``/``DISK`` ones, as one stream) go out through SGLang's own ZMQ
 publisher to ``python -m dynamo.indexer``. The prediction is for the prompts the
@@ -21,9 +21,9 @@ pytest.importorskip("sglang.srt.mem_cache.unified_cache.linker_factory", reason=
                     "hybrid pools without a linker factory (compat refuses or serves them; see test_startup_refusals)")
 from sglang.srt.disaggregation.kv_events import KVEventBatch, ZmqEventPublisher
 
-from sglang_kvbm.testing.hybrid import admit, build
-from sglang_kvbm.testing.indexer import DynamoIndexer
-from sglang_kvbm.testing.server import free_port
+from harness.hybrid import admit, build
+from harness.indexer import DynamoIndexer
+from sglang_kvbm.ops.demo.server import free_port
 
 # loads must land whatever the machine is doing (not this file's subject: test_disk_lanes.py tests the budget)
 pytestmark = pytest.mark.usefixtures("loads_wait_for_their_reads")

@@ -1,7 +1,7 @@
 """Sliding-window hybrids (GPT-OSS, Gemma 3/4, Llama 4, MiMo): full-attention pages and the window's SWA pages.
 
 Proven in process on SGLang's own ``SWAKVPool``, its allocator and default tree
-on CPU (``sglang_kvbm.testing.hybrid``): SGLang 0.5.23 refuses ``torch_native`` attention for
+on CPU (``harness.hybrid``): SGLang 0.5.23 refuses ``torch_native`` attention for
 these models at argument resolution (``arg_groups/model_hook.py``), and with
 that check patched out stock SGLang disagrees with itself on CPU (DESIGN §3b),
 so a real-server comparison would prove nothing.
@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("sglang.srt.mem_cache.unified_cache.linker_factory", reason="SGLang before 0.5.23 builds these "
                     "hybrid pools without a linker factory (compat refuses or serves them; see test_startup_refusals)")
 
-from sglang_kvbm.testing.hybrid import admit, build, equal, kv_bytes, swa_bytes
+from harness.hybrid import admit, build, equal, kv_bytes, swa_bytes
 from test_disk_tier import data_offset, flip_bit, segment_path
 
 # loads must land whatever the machine is doing (not this file's subject: test_disk_lanes.py tests the budget)

@@ -1,4 +1,12 @@
-"""The core imports neither SGLang, kvbm nor zmq (nor torch): only the adapters do; no two modules import each other."""
+"""The package's floors: each folder imports only the folders below it; the engines are reached through one door.
+
+From the ground up (:data:`FLOORS`): ``base`` (errors and value parsers, optional-dependency checks, progress, the
+supported SGLang range), ``core`` (identity, pages, the ports and policies: no engine, no torch), ``transfer`` (byte
+movement: layouts, copies, lanes, the layer counter), ``tiers`` (host, disk, Mooncake, object; the block format, the
+registry), ``config`` (every variable, each tier's from its folder), ``manager`` (one worker's tiers: the way down
+and back up), ``observe`` (metrics and endpoints), ``integration`` (SGLang and Dynamo), ``ops`` (command line,
+doctor, demo), and the package's own ``__init__`` on top. No two modules import each other either.
+"""
 
 import ast
 import subprocess
@@ -13,6 +21,16 @@ def printed_by(*lines: str) -> str:
     out = subprocess.run([sys.executable, "-c", "\n".join(("import sys", *lines))], capture_output=True, text=True,
                          check=True)
     return out.stdout.strip()
+
+
+FLOORS = ("base", "core", "transfer", "tiers", "config", "manager", "observe", "integration", "ops", "")
+ENGINES = ("sglang", "dynamo", "kvbm")
+
+
+def floor_of(module: str) -> int:
+    """A module's floor: its folder's place in :data:`FLOORS` (the package's ``__init__``: the top)."""
+    parts = module.split(".")
+    return FLOORS.index(parts[1] if len(parts) > 1 else "")
 
 
 def test_core_imports_no_engine():
@@ -36,7 +54,7 @@ def test_the_gpu_path_imports_torch_and_this_package_only():
     assert printed_by(
         "import torch",
         "before = set(sys.modules)",
-        "import sglang_kvbm.tiers.manager, sglang_kvbm.transfer.layer_loader",
+        "import sglang_kvbm.manager.block_manager, sglang_kvbm.manager.layer_loader",
         "import sglang_kvbm.transfer.layer_counter, sglang_kvbm.transfer.cuda_copies, sglang_kvbm.transfer.kv_layout",
         "print(sorted({m.split('.')[0] for m in set(sys.modules) - before} - {'sglang_kvbm'}))",
     ) == "[]"
@@ -121,3 +139,43 @@ def test_the_circle_finder_finds_a_circle():
 
 def test_no_module_imports_one_that_imports_it_back():
     assert _circles(_imports()) == []
+
+
+def test_the_floor_finder_knows_every_folder():
+    root = Path(sglang_kvbm.__file__).parent
+    folders = {p.name for p in root.iterdir() if (p / "__init__.py").is_file()}
+    assert folders == set(FLOORS) - {""}, "a new folder needs its place in FLOORS (and in docs/architecture.md)"
+
+
+def test_no_import_runs_up_a_floor():
+    upward = sorted(f"{a} -> {b}" for a, targets in _imports().items() for b in targets if floor_of(b) > floor_of(a))
+    assert upward == [], f"imports that run up a floor (FLOORS = {FLOORS}): move the module or what it needs"
+
+
+def _engine_imports(path: Path) -> list[str]:
+    """The SGLang, Dynamo and KVBM modules ``path`` imports, or names as a string (``"dynamo.sglang" in
+    sys.modules``, ``python -m sglang.launch_server``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found.append(node.module or "")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and " " not in node.value:
+            found += [node.value] if node.value.startswith(("sglang.", "dynamo.")) else []
+    return [name for name in found if name.split(".")[0] in ENGINES]
+
+
+def test_only_integration_reads_or_patches_an_engine():
+    """SGLang and Dynamo are reached through ``integration/sglang`` and ``integration/dynamo`` only. The demo runs
+    SGLang as a program (``python -m sglang.launch_server``), which is the one name allowed outside."""
+    root = Path(sglang_kvbm.__file__).parent
+    outside = {str(p.relative_to(root)): _engine_imports(p) for p in root.rglob("*.py")}
+    outside = {path: names for path, names in outside.items()
+               if names and not path.startswith("integration/") and names != ["sglang.launch_server"]}
+    assert outside == {}
+    for engine, door in (("sglang", "integration/sglang/"), ("dynamo", "integration/dynamo/")):
+        strays = [str(p.relative_to(root)) for p in (root / "integration").rglob("*.py")
+                  if not str(p.relative_to(root)).startswith(door)
+                  and any(n.split(".")[0] == engine for n in _engine_imports(p))]
+        assert strays == [], f"{engine} is read outside {door}"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_e2e_sequence, same_output
-from sglang_kvbm.testing.server import ServerError, SglangServer
+from sglang_kvbm.ops.demo.server import ServerError, SglangServer
 
 pytestmark = pytest.mark.server
 

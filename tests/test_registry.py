@@ -20,8 +20,8 @@ PROTOCOL |= set(LowerTier.__annotations__)
 def test_every_kind_is_a_folder_with_its_entry():
     root = Path(registry.__file__).parent
     for name, kind in zip(registry.KINDS, registry.kinds()):
-        assert kind.NAME == name and (root / name / "kind.py").is_file()
-        assert callable(kind.enabled) and callable(kind.build)
+        assert isinstance(kind, registry.TierKind)
+        assert kind.name == name and (root / name / "kind.py").is_file()
 
 
 def test_every_tier_implements_the_protocol():

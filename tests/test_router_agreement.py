@@ -21,9 +21,9 @@ import pytest
 import requests
 
 from sglang_kvbm.integration.sglang.event_stream import replay
-from sglang_kvbm.testing.indexer import DynamoIndexer
-from sglang_kvbm.testing.model import prompt_ids
-from sglang_kvbm.testing.server import SglangServer, free_port
+from harness.indexer import DynamoIndexer
+from sglang_kvbm.ops.demo.model import prompt_ids
+from sglang_kvbm.ops.demo.server import SglangServer, free_port
 
 pytestmark = pytest.mark.server
 

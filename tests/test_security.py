@@ -28,8 +28,8 @@ import xxhash
 from conftest import build_stack
 from sglang_kvbm.config import ConfigError
 from sglang_kvbm.integration.sglang.compat import device_prefix_len
-from sglang_kvbm.testing.server import free_port
-from sglang_kvbm.tiers.disk.format import MAGIC as HEADER_MAGIC
+from sglang_kvbm.ops.demo.server import free_port
+from sglang_kvbm.tiers.format import MAGIC as HEADER_MAGIC
 from sglang_kvbm.tiers.disk.setup import probe
 from test_disk_tier import disk_removed, event_hash, header_offset, load_exact, on_disk_only, segment_path
 

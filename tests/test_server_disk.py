@@ -21,8 +21,8 @@ from sglang.srt.disaggregation.kv_events import BlockStored
 
 from conftest import e2e_prompts, run_e2e_sequence, same_output
 from sglang_kvbm.integration.sglang.event_stream import replay
-from sglang_kvbm.testing.model import prompt_ids
-from sglang_kvbm.testing.server import SglangServer, free_port
+from sglang_kvbm.ops.demo.model import prompt_ids
+from sglang_kvbm.ops.demo.server import SglangServer, free_port
 
 pytestmark = pytest.mark.server
 

@@ -23,8 +23,8 @@ from sglang.srt.disaggregation.kv_events import AllBlocksCleared, BlockRemoved, 
 
 from conftest import run_e2e_sequence, same_output
 from sglang_kvbm.integration.sglang.event_stream import replay, subscribe
-from sglang_kvbm.testing.model import prompt_ids
-from sglang_kvbm.testing.server import SglangServer, free_port
+from sglang_kvbm.ops.demo.model import prompt_ids
+from sglang_kvbm.ops.demo.server import SglangServer, free_port
 
 pytestmark = pytest.mark.server
 HOLD = 3.0  # seconds each layer after the first of a layer-wise load is held back

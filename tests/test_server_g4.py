@@ -1,7 +1,7 @@
 """Two real SGLang servers share G4: a prefix computed on A is served on B from Mooncake, with stock's output.
 
 A real ``mooncake_master`` and a standalone memory lender on 127.0.0.1
-(``sglang_kvbm.testing.mooncake``), CPU SGLang servers with
+(``harness.mooncake``), CPU SGLang servers with
 ``--radix-cache-backend kvbm`` and ``SGLANG_KVBM_MOONCAKE_MASTER``. B stands for
 a second host: it serves its own copy of the model (same bytes, another path,
 other mtimes, no --served-model-name) and has its own disk directory. B never saw
@@ -22,8 +22,8 @@ import pytest
 import requests
 
 from conftest import e2e_prompts, same_output
-from sglang_kvbm.testing.mooncake import MooncakeCluster
-from sglang_kvbm.testing.server import SglangServer, free_port
+from harness.mooncake import MooncakeCluster
+from sglang_kvbm.ops.demo.server import SglangServer, free_port
 
 pytestmark = pytest.mark.server
 

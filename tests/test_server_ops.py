@@ -18,8 +18,8 @@ import pytest
 import requests
 
 from sglang_kvbm.integration.sglang.event_stream import replay
-from sglang_kvbm.testing.model import prompt_ids
-from sglang_kvbm.testing.server import ServerError, SglangServer, free_port
+from sglang_kvbm.ops.demo.model import prompt_ids
+from sglang_kvbm.ops.demo.server import ServerError, SglangServer, free_port
 
 pytestmark = pytest.mark.server
 

@@ -17,8 +17,8 @@ import pytest
 import requests
 
 from conftest import e2e_prompts, same_output
-from sglang_kvbm.testing.model import prompt_ids
-from sglang_kvbm.testing.server import SglangServer, free_port
+from sglang_kvbm.ops.demo.model import prompt_ids
+from sglang_kvbm.ops.demo.server import SglangServer, free_port
 
 pytestmark = pytest.mark.server
 

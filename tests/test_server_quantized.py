@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import run_e2e_sequence, same_output
-from sglang_kvbm.testing.server import SglangServer
+from sglang_kvbm.ops.demo.server import SglangServer
 
 pytestmark = pytest.mark.server
 FP8 = ["--kv-cache-dtype", "fp8_e4m3"]

@@ -17,8 +17,8 @@ import subprocess
 import pytest
 
 from conftest import CPU_PAGED_ALLOC_ENV, same_output
-from sglang_kvbm.testing.model import prompt_ids
-from sglang_kvbm.testing.server import SglangServer
+from sglang_kvbm.ops.demo.model import prompt_ids
+from sglang_kvbm.ops.demo.server import SglangServer
 
 pytestmark = pytest.mark.server
 

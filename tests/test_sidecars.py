@@ -13,8 +13,8 @@ import torch
 
 from sglang_kvbm.core.pages import one_page
 from sglang_kvbm.core.ports import StoreRequest
-from sglang_kvbm.tiers.manager import LocalBlockManager
-from sglang_kvbm.tiers.sidecars import SidecarStores
+from sglang_kvbm.manager.block_manager import LocalBlockManager
+from sglang_kvbm.manager.sidecars import SidecarStores
 from sglang_kvbm.transfer.kv_layout import PagedKvLayout
 
 

@@ -124,7 +124,7 @@ def test_an_sglang_outside_the_range_is_refused_in_one_line_only_when_kvbm_is_as
     assert "resolved without kvbm" in run.stdout, run.stderr[-2000:]
     assert run.returncode != 0
     last = run.stderr.strip().splitlines()[-1]
-    assert last.startswith("sglang_kvbm.config.values.ConfigError: ") and "sglang 0.5.20 is installed" in last
+    assert last.startswith("sglang_kvbm.base.values.ConfigError: ") and "sglang 0.5.20 is installed" in last
     assert ">=0.5.21,<0.6" in last and "pip install 'sglang>=0.5.21,<0.6'" in last
 
 
@@ -165,7 +165,7 @@ def test_under_dynamo_a_non_wildcard_events_host_is_warned_about(endpoint, warne
     import sys
     import types
 
-    from sglang_kvbm.integration.sglang.flags import warn_if_dynamo_will_not_connect
+    from sglang_kvbm.integration.dynamo.worker import warn_if_dynamo_will_not_connect
 
     monkeypatch.delenv("SGLANG_HOST_IP", raising=False)
     monkeypatch.delitem(sys.modules, "dynamo.sglang", raising=False)  # Dynamo's environment may have imported it
@@ -179,7 +179,7 @@ def test_under_dynamo_a_non_wildcard_events_host_is_warned_about(endpoint, warne
         assert "tcp://*:5557" in caplog.text and "SGLANG_HOST_IP=127.0.0.1" in caplog.text
 
 
-@needs("mamba")  # its hybrid pools are built as 0.5.23 builds them (testing.hybrid); older releases: test below
+@needs("mamba")  # its hybrid pools are built as 0.5.23 builds them (harness.hybrid); older releases: test below
 def test_what_the_seam_cannot_carry_is_refused_with_the_reason(tmp_path):
     """A sliding-window hybrid's draft pools (split into full and window slots) and hybrids under context
     parallelism: refused at start-up, naming what to change."""
@@ -189,7 +189,7 @@ def test_what_the_seam_cannot_carry_is_refused_with_the_reason(tmp_path):
 
     from sglang_kvbm.integration.sglang.kv_pool import UnsupportedPoolError
     from sglang_kvbm.integration.sglang.pool_group import describe_pools
-    from sglang_kvbm.testing.hybrid import build
+    from harness.hybrid import build
 
     h = build("swa", tmp_path)
     params = h.cache.cache_init_params

@@ -31,7 +31,7 @@ from sglang.srt.managers.scheduler_components.weight_updater import (
 from sglang.srt.utils.torch_memory_saver_adapter import _TorchMemorySaverAdapterNoop
 
 from conftest import build_stack
-from sglang_kvbm.testing.server import free_port
+from sglang_kvbm.ops.demo.server import free_port
 from test_disk_tier import event_hash, load_exact, on_disk_only
 
 pytestmark = pytest.mark.usefixtures("loads_wait_for_their_reads")  # what a load serves, not how long it waits
@@ -268,7 +268,7 @@ def test_real_server_update_weights_from_disk_moves_the_disk_tier(model_dir, tmp
     without a second server start."""
     import requests
 
-    from sglang_kvbm.testing.model import prompt_ids
+    from sglang_kvbm.ops.demo.model import prompt_ids
     from test_server_disk import start
 
     directory = tmp_path / "kvbm-disk"

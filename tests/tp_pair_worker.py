@@ -15,7 +15,7 @@ from array import array
 
 import torch
 
-from sglang_kvbm.tiers import lookups
+from sglang_kvbm.manager import lookups
 
 sys.path.insert(0, os.path.dirname(__file__))
 

@@ -20,7 +20,10 @@ layouts need CUDA), and ``--hicache-storage-backend file`` for its L3.
 import os
 
 if os.environ.get("KVBM_BENCH_HICACHE_CPU") == "1":
-    from sglang_kvbm.testing.import_patch import patch_on_import
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..', 'tests'))  # the harness
+    from harness.import_patch import patch_on_import  # noqa: E402
 
     def _transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size=None, **_):
         src_indices = src_indices.to(device="cpu", dtype=__import__("torch").int64)

@@ -27,7 +27,7 @@ PAGE=4  # SGLang's --page-size; Dynamo's router takes its block size from it
 mkdir -p "$WORK"
 if [ -z "${MODEL:-}" ]; then
     MODEL=$WORK/model
-    "$PY" -c "from sglang_kvbm.testing.model import make_model; make_model('$MODEL')"
+    "$PY" -c "from sglang_kvbm.ops.demo.model import make_model; make_model('$MODEL')"
 fi
 
 # Shared by every process of the deployment: discovery is a directory (no etcd), requests go

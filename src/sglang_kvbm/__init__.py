@@ -1,16 +1,13 @@
 """sglang-kvbm: NVIDIA Dynamo KVBM's GPU -> host -> disk KV tiers and KV events for SGLang.
 
-The core (``sglang_kvbm.core``) imports neither SGLang, kvbm nor zmq; the SGLang
-adapter lives in ``sglang_kvbm.integration.sglang`` and is reached through the
-``kvbm`` radix-cache backend (``--radix-cache-backend kvbm``).
+The package is built in floors (``tests/test_layering.py``), each importing only
+those below it: ``base``, ``core`` (no engine, no torch), ``transfer``, ``tiers``,
+``config``, ``manager``, ``observe``, ``integration`` (the one door to SGLang and
+Dynamo), ``ops``. SGLang reaches it through the ``kvbm`` radix-cache backend
+(``--radix-cache-backend kvbm``).
 """
 
-from importlib import metadata as _metadata
-
+from sglang_kvbm.base.versions import VERSION as __version__
 from sglang_kvbm.config import ConfigError, KvbmConfig
 
-try:  # one version source: pyproject.toml's, through the installed metadata
-    __version__ = _metadata.version("sglang-kvbm")
-except _metadata.PackageNotFoundError:  # a source tree on PYTHONPATH, never installed
-    __version__ = "0+unknown"
 __all__ = ["ConfigError", "KvbmConfig", "__version__"]

@@ -13,7 +13,10 @@ it. The tests that use it say so; stock and kvbm servers alike run with it.
 import os
 
 if os.environ.get("KVBM_TEST_CPU_PAGED_ALLOC") == "1":
-    from sglang_kvbm.testing.import_patch import patch_on_import
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the harness
+    from harness.import_patch import patch_on_import  # noqa: E402
 
     def _extend(prefix_lens, seq_lens, last_loc, free_pages, out_indices, _bs_pow2, page_size):
         taken, free, slots = 0, free_pages.tolist(), []

@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     elif args.run:
         report["run_exit"] = _run(args.run)
     else:
-        from sglang_kvbm.tiers import lookups
+        from sglang_kvbm.manager import lookups
 
         lookups.WAIT_FLOOR_S = lookups.FIRST_READ_WAIT_S = 30.0  # what a load serves, not how long it may wait
         with tempfile.TemporaryDirectory(prefix="kvbm-pack-drive-") as tmp:

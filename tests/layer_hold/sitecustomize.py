@@ -14,7 +14,10 @@ _RECORD = os.environ.get("KVBM_TEST_RECORD")
 if _HOLD and _RECORD:
     import time
 
-    from sglang_kvbm.testing.import_patch import patch_on_import
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the harness
+    from harness.import_patch import patch_on_import  # noqa: E402
 
     def _log(line: str) -> None:
         with open(_RECORD, "a") as f:
@@ -46,4 +49,4 @@ if _HOLD and _RECORD:
 
         loader_cls.__init__ = init
 
-    patch_on_import({"sglang_kvbm.transfer.layer_loader": _patch})
+    patch_on_import({"sglang_kvbm.manager.layer_loader": _patch})

@@ -30,7 +30,7 @@ import logging
 import re
 from typing import Any, Optional
 
-from sglang_kvbm.config.values import ConfigError
+from sglang_kvbm.base.values import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,8 @@ import os
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Optional
 
-from sglang_kvbm.config.values import (  # ConfigError: everyone imports it from here
+from sglang_kvbm.base.values import (  # ConfigError: everyone imports it from here
+    GIB,
     ConfigError,
     JsonKey,
     _block_size,
@@ -40,7 +41,6 @@ from sglang_kvbm.tiers.object import settings as object_tier
 
 logger = logging.getLogger(__name__)
 
-GIB = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,9 +15,8 @@ import sys
 from importlib import metadata
 from typing import Optional, Sequence
 
-from sglang_kvbm import __version__
-from sglang_kvbm.ops.needs import DISTRIBUTION, MissingPackage, installed, pip_install, require
-from sglang_kvbm.ops.versions import SUPPORTED_SGLANG
+from sglang_kvbm.base.needs import DISTRIBUTION, MissingPackage, installed, pip_install, require
+from sglang_kvbm.base.versions import SUPPORTED_SGLANG, VERSION
 from sglang_kvbm.tiers import registry
 
 DESCRIPTION = """\
@@ -59,12 +58,12 @@ def _docs_url() -> Optional[str]:
 def _versions() -> str:
     supported = f"(this release supports sglang{SUPPORTED_SGLANG})"
     if not installed("sglang"):
-        return f"{DISTRIBUTION} {__version__}\nSGLang not installed {supported}"
+        return f"{DISTRIBUTION} {VERSION}\nSGLang not installed {supported}"
     try:
         found = metadata.version("sglang")
     except metadata.PackageNotFoundError:  # importable without metadata: a source tree on the path
         found = "(version unknown)"
-    return f"{DISTRIBUTION} {__version__}\nSGLang {found} {supported}"
+    return f"{DISTRIBUTION} {VERSION}\nSGLang {found} {supported}"
 
 
 class _Version(argparse.Action):
@@ -149,7 +148,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "demo":
         require("demo", "sglang", "sglang", "requests", "transformers", "tokenizers")
-        from sglang_kvbm.ops.demo import main as demo_main
+        from sglang_kvbm.ops.demo.run import main as demo_main
 
         return demo_main(args.out)
     if args.command == "doctor":

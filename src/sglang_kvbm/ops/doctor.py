@@ -31,8 +31,8 @@ from typing import Optional, TextIO
 
 from sglang_kvbm.config import GIB, ConfigError, KvbmConfig
 from sglang_kvbm.config.settings import hidden_variable
-from sglang_kvbm.ops.needs import DISTRIBUTION, installed, pip_install
-from sglang_kvbm.ops.versions import SUPPORTED_SGLANG, check_sglang_version
+from sglang_kvbm.base.needs import DISTRIBUTION, installed, pip_install
+from sglang_kvbm.base.versions import SUPPORTED_SGLANG, check_sglang_version
 from sglang_kvbm.tiers import registry
 
 MIB = 1 << 20
@@ -152,7 +152,7 @@ def _tiers(rows: list[Row], config: KvbmConfig, block_bytes: Optional[int], page
         rows.append(Row("host tier", "info", "off (disk only: pages go from the device straight to disk)"))
     if config.has_disk:
         try:
-            from sglang_kvbm.tiers.disk.format import header_bytes_for
+            from sglang_kvbm.tiers.format import header_bytes_for
         except ImportError as exc:  # numpy, msgspec or xxhash missing: the install is broken
             rows.append(Row("disk tier", "FAIL", f"cannot size disk blocks ({exc}): reinstall sglang-kvbm "
                             f"(pip install --force-reinstall {DISTRIBUTION})"))

@@ -16,7 +16,7 @@ import torch
 
 from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.pages import Page
-from sglang_kvbm.tiers.disk.format import BlockHeader, HeaderTooLarge, checksum, decode_header, encode_header
+from sglang_kvbm.tiers.format import BlockHeader, HeaderTooLarge, checksum, decode_header, encode_header
 
 TAG_PREFIX = "kvbm-"  # every tag this library names objects under starts so
 

@@ -1,26 +1,22 @@
 """The tiers below host, from the configuration: each kind in a folder of its own, in chain order.
 
-A kind is a module ``sglang_kvbm.tiers.<name>.kind`` with:
-
-* ``NAME`` and ``enabled(config)``: whether the configuration turns it on;
-* ``build(config, pools) -> KindPlan``: a tier factory per pool of the
-  worker (None where the kind does not hold that pool), the onboard policy if
-  the kind brings one, and its part of the start-up log line;
-* optionally ``doctor_rows(config, environ)`` (``sglang-kvbm doctor``),
-  ``METRIC_DOCS`` and ``metrics(snapshot)`` (KVBM's metric names for it),
-  ``commands(subparsers)`` and ``run(args) -> Optional[int]`` (``sglang-kvbm``
-  subcommands), and ``on_launch(config)`` (the SGLang launcher, before ranks
-  start).
+A kind's folder has a ``kind`` module whose ``KIND`` is a :class:`TierKind`:
+its name, whether the configuration turns it on, and how it builds a
+:class:`KindPlan` for a worker's pools; optionally its ``sglang-kvbm doctor``
+rows, KVBM's metric names for it, and ``sglang-kvbm`` subcommands. A tier
+exports names and objects only: it patches no engine. What the engines must be
+told of it (SGLang's L3 layout, Dynamo's registration) is said by
+``integration`` from :attr:`KindPlan.names`.
 
 A lookup walks the chain in :data:`KINDS` order after host: the nearest tier
 that serves a block serves it. Adding a tier is a folder plus its line here.
 
 The command line (to build its parser) and ``doctor`` import every kind, on the
 base install too: a ``kind`` module imports only the standard library and this
-package's light modules (configuration, ``core``, ``ops.needs``) at its top, and
+package's light modules (``base``, ``core``, this module) at its top, and
 everything else (torch, numpy, NIXL, Mooncake, zmq: its store and tier) inside
 the function that needs it. A ``run`` checks what its command needs first
-(``ops.needs.require``). ``tests/test_cli.py`` holds them to it.
+(``base.needs.require``). ``tests/test_cli.py`` holds them to it.
 """
 
 from __future__ import annotations
@@ -28,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
-from types import ModuleType
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 KINDS = ("disk", "mooncake", "object")  # chain order, below host
@@ -65,6 +60,25 @@ class KindPlan:
     per_pool: list  # per pool: a factory (LocalBlockManager -> LowerTier), or None
     policy: Any = None  # an OnboardPolicy (the disk's read meter decides whether a span is worth reading)
     summary: str = ""  # its part of the start-up log line
+    names: Any = None  # what a router derives this tier's object names from (mooncake: its store's tag, prefix)
+
+
+def _no_rows(config, environ: Mapping[str, str]) -> list[tuple]:
+    return []
+
+
+@dataclasses.dataclass(frozen=True)
+class TierKind:
+    """One kind of tier below host, as its folder's ``kind`` module declares it (``KIND``)."""
+
+    name: str
+    enabled: Callable[[Any], bool]  # (config) -> whether the configuration turns it on
+    build: Callable[[Any, WorkerPools], KindPlan]  # (config, pools): its tiers for one worker
+    doctor_rows: Callable[[Any, Mapping[str, str]], list] = _no_rows  # (config, environ) -> (check, status, detail)
+    metric_docs: Mapping[str, str] = dataclasses.field(default_factory=dict)  # KVBM's metric names for it -> help
+    metrics: Callable[[dict], dict] = lambda snapshot: {}  # a published snapshot -> {metric name: value}
+    commands: Callable[[Any], None] = lambda subparsers: None  # adds its ``sglang-kvbm`` subcommands
+    run: Callable[[Any], Optional[int]] = lambda args: None  # runs one of them; None when ``args`` names none
 
 
 def pool_blocks(kv_blocks: int, share: float) -> int:
@@ -72,53 +86,57 @@ def pool_blocks(kv_blocks: int, share: float) -> int:
     return kv_blocks if share == 1.0 or not kv_blocks else max(16, math.ceil(kv_blocks * share))
 
 
-def kinds() -> list[ModuleType]:
-    return [importlib.import_module(f"sglang_kvbm.tiers.{name}.kind") for name in KINDS]
+def kinds() -> list[TierKind]:
+    return [importlib.import_module(f"sglang_kvbm.tiers.{name}.kind").KIND for name in KINDS]
 
 
-def enabled(config) -> list[ModuleType]:
+def enabled(config) -> list[TierKind]:
     return [kind for kind in kinds() if kind.enabled(config)]
 
 
-def build(config, pools: WorkerPools) -> tuple[list[list], Optional[Any], list[str]]:
-    """Per pool, the lower tiers' factories in chain order; the onboard policy; the log line's parts."""
-    per_pool: list[list] = [[] for _ in pools.names]
-    policy, summary = None, []
+@dataclasses.dataclass
+class Built:
+    """Every kind's plan for one worker, merged."""
+
+    per_pool: list[list]  # per pool, the lower tiers' factories in chain order
+    policy: Optional[Any]  # the onboard policy (the first kind's that brings one)
+    summary: list[str]  # the log line's parts
+    names: dict[str, Any]  # kind name -> its KindPlan.names, for the kinds that have them
+
+
+def build(config, pools: WorkerPools) -> Built:
+    built = Built([[] for _ in pools.names], None, [], {})
     for kind in kinds():
         if not kind.enabled(config):
-            summary.append(f"{kind.NAME} off")
+            built.summary.append(f"{kind.name} off")
             continue
         plan = kind.build(config, pools)
-        for factories, factory in zip(per_pool, plan.per_pool):
+        for factories, factory in zip(built.per_pool, plan.per_pool):
             if factory is not None:
                 factories.append(factory)
-        policy = policy or plan.policy
-        summary.append(f"{kind.NAME} {plan.summary}")
-    return per_pool, policy, summary
+        built.policy = built.policy or plan.policy
+        built.summary.append(f"{kind.name} {plan.summary}")
+        if plan.names is not None:
+            built.names[kind.name] = plan.names
+    return built
 
 
 def doctor_rows(config, environ: Mapping[str, str]) -> list[tuple]:
     """``(check, status, detail)`` rows of every tier the configuration turns on."""
-    rows: list[tuple] = []
-    for kind in enabled(config):
-        if hasattr(kind, "doctor_rows"):
-            rows.extend(kind.doctor_rows(config, environ))
-    return rows
+    return [row for kind in enabled(config) for row in kind.doctor_rows(config, environ)]
 
 
 def add_commands(subparsers) -> None:
     for kind in kinds():
-        if hasattr(kind, "commands"):
-            kind.commands(subparsers)
+        kind.commands(subparsers)
 
 
 def run_command(args) -> Optional[int]:
     """Run a tier's subcommand; None when ``args`` names none of theirs."""
     for kind in kinds():
-        if hasattr(kind, "run"):
-            result = kind.run(args)
-            if result is not None:
-                return result
+        result = kind.run(args)
+        if result is not None:
+            return result
     return None
 
 
@@ -127,24 +145,16 @@ def metrics(snapshot: dict) -> dict:
     dashboard sees zeros, not a missing series)."""
     out: dict = {}
     for kind in kinds():
-        if hasattr(kind, "metrics"):
-            out.update(kind.metrics(snapshot))
+        out.update(kind.metrics(snapshot))
     return out
 
 
 def metric_docs() -> dict:
     out: dict = {}
     for kind in kinds():
-        out.update(getattr(kind, "METRIC_DOCS", {}))
+        out.update(kind.metric_docs)
     return out
 
 
-def on_launch(config) -> None:
-    """The SGLang launcher parsed its flags: what each tier the configuration turns on must set up first."""
-    for kind in enabled(config):
-        if hasattr(kind, "on_launch"):
-            kind.on_launch(config)
-
-
 def names(config) -> Sequence[str]:
-    return [kind.NAME for kind in enabled(config)]
+    return [kind.name for kind in enabled(config)]

@@ -30,7 +30,7 @@ def aligned_empty(shape: tuple[int, int], *, pin: bool = False) -> torch.Tensor:
     memory = _host_mapping(max(nbytes, BLOCK_ALIGN))
     flat = torch.frombuffer(memory, dtype=torch.uint8)
     if pin:
-        from sglang_kvbm.observe.progress import Progress
+        from sglang_kvbm.base.progress import Progress
         from sglang_kvbm.transfer import cuda_copies
 
         chunk = 256 << 20

@@ -19,13 +19,14 @@ from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 from sglang_kvbm.config import GIB, ConfigError, KvbmConfig
 from sglang_kvbm.core.content_digest import DigestCache
 from sglang_kvbm.core.onboard_policy import OnboardPolicy
+from sglang_kvbm.integration.sglang import l3_layout
 from sglang_kvbm.integration.sglang.fingerprint import model_identity, server_fingerprint
 from sglang_kvbm.integration.sglang.pool_group import PoolGroup, describe_pools
 from sglang_kvbm.tiers import registry
 from sglang_kvbm.tiers.disk.store import DiskStore
-from sglang_kvbm.tiers.manager import LocalBlockManager
+from sglang_kvbm.manager.block_manager import LocalBlockManager
 from sglang_kvbm.tiers.registry import WorkerPools, pool_blocks
-from sglang_kvbm.tiers.sidecars import SidecarStores
+from sglang_kvbm.manager.sidecars import SidecarStores
 from sglang_kvbm.transfer.kv_layout import PagedKvLayout
 
 logger = logging.getLogger(__name__)
@@ -105,7 +106,13 @@ def build_tiers(
         mla=isinstance(kvcache, MLATokenToKVPool), under_scheduler="sglang.srt.managers.scheduler" in sys.modules,
         lanes={"disk_writer": disk_writer, "disk_reader": disk_reader},
     )
-    factories, policy, summary = registry.build(config, worker)
+    built = registry.build(config, worker)
+    factories, policy, summary = built.per_pool, built.policy, built.summary
+    store = built.names.get("mooncake")
+    if store is not None and worker.under_scheduler:  # tell routers G4's object names, through SGLang's channel
+        l3_layout.advertise(l3_layout.layout(store, page_size=layout.page_size, mla=worker.mla,
+                                             tp_size=int(identity.ranks.get("tp_size", 1)),
+                                             pp_size=int(identity.ranks.get("pp_size", 1))))
     managers = []
     for (name, pool_layout), share, tiers in zip(pools, shares, factories):
         kv = name == "kv"  # the tests' gated threads and the metrics observe the KV pool's copies

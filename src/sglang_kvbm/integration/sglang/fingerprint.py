@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from sglang_kvbm.core.content_digest import DigestCache
-from sglang_kvbm.tiers.disk.format import FORMAT_VERSION
+from sglang_kvbm.tiers.format import FORMAT_VERSION
 from sglang_kvbm.transfer.kv_layout import PagedKvLayout
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")

@@ -21,12 +21,11 @@ module level: the plugin imports this in every SGLang process.
 from __future__ import annotations
 
 import json
-import sys
 from typing import Any, Optional
 
 from sglang_kvbm.config import ConfigError, KvbmConfig
 from sglang_kvbm.config.events import check_kv_events_config
-from sglang_kvbm.tiers import registry
+from sglang_kvbm.integration.dynamo import worker
 
 BACKEND_NAME = "kvbm"
 SOURCE = "sglang-kvbm"
@@ -76,8 +75,7 @@ def translate(server_args: Any) -> None:
     config.require_a_tier()
     server_draw()  # drawn here, in the launcher: every rank it starts inherits the one draw (see weight_settings)
     events = check_kv_events_config(cfg.kv_events_config, cfg.page_size or 1)  # the page size may be unresolved yet
-    warn_if_dynamo_will_not_connect(events)
-    registry.on_launch(config)  # what each tier must set up before the ranks start (Dynamo's registration)
+    worker.on_launch(config, events)  # inside Dynamo's SGLang worker: what its router must be told
     if by_config:
         declare_resolution(
             server_args,
@@ -92,38 +90,11 @@ def translate(server_args: Any) -> None:
                            enable_unified_cache_external_linker=True)
 
 
-_WILDCARDS = ("*", "0.0.0.0", "::", "[::]")
-
-
-def warn_if_dynamo_will_not_connect(events: Optional[dict]) -> None:
-    """Under ``dynamo.sglang``, a non-wildcard events host is connected to at this machine's IP, not that host.
-
-    Dynamo's worker (``dynamo/sglang/publisher.py``, ``kv_event_connect_ip``) subscribes at
-    127.0.0.1 only for a wildcard bind; for any other host it uses ``get_local_ip_auto()``,
-    so with ``tcp://127.0.0.1:P`` the router receives no events at all, and nothing says so.
-    """
-    import logging
-    import os
-    from urllib.parse import urlsplit
-
-    if events is None or "dynamo.sglang" not in sys.modules:
-        return
-    parts = urlsplit(events["endpoint"])
-    host = parts.hostname or ""
-    if parts.scheme != "tcp" or host in _WILDCARDS or os.environ.get("SGLANG_HOST_IP") == host:
-        return
-    logging.getLogger(__name__).warning(
-        "kvbm: --kv-events-config endpoint %s names host %r: Dynamo's worker will subscribe at this machine's "
-        "IP instead, and its router will receive no KV events. Use tcp://*:%s, or set SGLANG_HOST_IP=%s",
-        events["endpoint"], host, parts.port, host,
-    )
-
-
 def check_installed_sglang() -> None:
     """Refuse an SGLang outside the supported range, naming both (the linker contract changes between versions)."""
     from importlib import metadata
 
-    from sglang_kvbm.ops.versions import check_sglang_version
+    from sglang_kvbm.base.versions import check_sglang_version
 
     check_sglang_version(metadata.version("sglang"))
 

@@ -63,8 +63,8 @@ from sglang_kvbm.integration.sglang.pool_transfers import (
 from sglang_kvbm.integration.sglang.ranks import LinkerSetup, check_components, setup_of
 from sglang_kvbm.integration.sglang.tier_query import TierQueries, TierTokens, tier_tokens
 from sglang_kvbm.integration.sglang.worker_counter import KvbmLayerCounter
-from sglang_kvbm.transfer.layer_loader import LayerLoader
-from sglang_kvbm.transfer.load_batches import LoadBatches
+from sglang_kvbm.manager.layer_loader import LayerLoader
+from sglang_kvbm.manager.loads import LoadBatches
 
 logger = logging.getLogger(__name__)
 # Installed when this module is imported (SGLang imports it to build the linker, before adopting it), not in a

@@ -33,7 +33,7 @@ def register() -> None:
         return
     from importlib import metadata
 
-    from sglang_kvbm.ops.versions import unsupported_sglang
+    from sglang_kvbm.base.versions import unsupported_sglang
 
     problem = unsupported_sglang(metadata.version("sglang"))
     if problem is not None:

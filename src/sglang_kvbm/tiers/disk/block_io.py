@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import torch
 
 from sglang_kvbm.core.pages import Page
-from sglang_kvbm.tiers.disk.format import (
+from sglang_kvbm.tiers.format import (
     BlockHeader,
     HeaderTooLarge,
     checksum,

@@ -26,7 +26,7 @@ import shutil
 from pathlib import Path
 from typing import IO, Iterator
 
-from sglang_kvbm.config import ConfigError
+from sglang_kvbm.base.values import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from typing import Callable, NamedTuple, Optional
 import msgspec
 import xxhash
 
-from sglang_kvbm.tiers.disk.format import FORMAT_VERSION, BlockHeader
+from sglang_kvbm.tiers.format import FORMAT_VERSION, BlockHeader
 
 logger = logging.getLogger(__name__)
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 
-from sglang_kvbm.config import GIB
+from sglang_kvbm.base.values import GIB
 from sglang_kvbm.core.offload_filter import FrequencyFilter
 from sglang_kvbm.core.onboard_policy import OnboardPolicy
-from sglang_kvbm.tiers.registry import KindPlan, WorkerPools, pool_blocks
+from sglang_kvbm.tiers.registry import KindPlan, TierKind, WorkerPools, pool_blocks
 
 logger = logging.getLogger(__name__)
 NAME = "disk"
@@ -58,3 +58,6 @@ def build(config, pools: WorkerPools) -> KindPlan:
     summary = (f"{kv_blocks} blocks ({sum(s.num_slots * s.slot_bytes for s in stores) / GIB:.2f} GiB) in "
                f"{config.disk_cache_dir}, offload filter {'off' if config.disable_disk_offload_filter else 'on'}")
     return KindPlan([factory(store, i == 0) for i, store in enumerate(stores)], policy, summary)
+
+
+KIND = TierKind(NAME, enabled, build)

@@ -19,8 +19,8 @@ import stat as stat_module
 import time
 from pathlib import Path
 
-from sglang_kvbm.config import GIB, ConfigError
-from sglang_kvbm.observe.progress import Progress
+from sglang_kvbm.base.values import GIB, ConfigError
+from sglang_kvbm.base.progress import Progress
 
 logger = logging.getLogger(__name__)
 

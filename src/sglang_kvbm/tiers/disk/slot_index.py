@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional, Sequence
 
 from sglang_kvbm._blocks import BlockIndex
 from sglang_kvbm.core.identity import BlockId
-from sglang_kvbm.tiers.disk.format import BlockHeader
+from sglang_kvbm.tiers.format import BlockHeader
 
 
 class Reservation(NamedTuple):

@@ -26,7 +26,7 @@ from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.pages import Page
 from sglang_kvbm.tiers.disk import directory as identity_dir
 from sglang_kvbm.tiers.disk.block_io import DiskStats, read_blocks, write_blocks
-from sglang_kvbm.tiers.disk.format import BlockHeader, header_bytes_for
+from sglang_kvbm.tiers.format import BlockHeader, header_bytes_for
 from sglang_kvbm.tiers.disk.journal import IndexJournal
 from sglang_kvbm.tiers.disk.nixl_io import DiskIOError, NixlFileIO
 from sglang_kvbm.tiers.disk.restart import IndexRestart

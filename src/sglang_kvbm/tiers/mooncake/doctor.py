@@ -18,8 +18,7 @@ Row = tuple  # (check, status, detail): doctor.Row's fields (doctor imports this
 def _row(check: str, status: str, detail: str) -> Row:
     return (check, status, detail)
 
-from sglang_kvbm.config import KvbmConfig
-from sglang_kvbm.ops.needs import pip_install
+from sglang_kvbm.base.needs import pip_install
 
 EMBEDDED = ("mooncake_master's embedded metadata server always listens on every address (Mooncake 0.3.13 ignores "
             "--http_metadata_server_host)")
@@ -27,7 +26,7 @@ METADATA_FIX = ("firewall port {port}, or use SGLANG_KVBM_MOONCAKE_METADATA=P2PH
                 "`mooncake_http_metadata_server --host=127.0.0.1` instead")
 
 
-def g4_rows(config: KvbmConfig, environ: Mapping[str, str]) -> list[Row]:
+def g4_rows(config, environ: Mapping[str, str]) -> list[Row]:
     """The client loads (it needs libibverbs1), the master answers, and where each G4 listener is bound."""
     rows: list[Row] = []
     try:

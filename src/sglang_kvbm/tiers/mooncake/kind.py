@@ -4,8 +4,9 @@ One client per worker rank, for the full-attention KV only (a hybrid model's
 sliding-window pages and Mamba states are not shared yet). Its objects are
 named by the worker's identity with every rank alike (the rank is in each
 name's suffix), so routers derive one name per page for the whole worker:
-SGLang's scheduler is told the names (``l3_layout``), and inside Dynamo's
-workers so is Dynamo's router (``dynamo``, at launch).
+the plan hands its store on as :attr:`KindPlan.names`, and the integration
+tells SGLang's scheduler (``integration.sglang.l3_layout``) and, inside
+Dynamo's workers, Dynamo's router (``integration.dynamo.mooncake``).
 """
 
 from __future__ import annotations
@@ -15,13 +16,12 @@ import importlib.util
 import logging
 import os
 import socket
-import sys
 from typing import Mapping, Optional
 
-from sglang_kvbm.config import GIB, ConfigError
+from sglang_kvbm.base.values import GIB, ConfigError
 from sglang_kvbm.core.offload_filter import FrequencyFilter
-from sglang_kvbm.ops.needs import pip_install, require
-from sglang_kvbm.tiers.registry import KindPlan, WorkerPools
+from sglang_kvbm.base.needs import pip_install, require
+from sglang_kvbm.tiers.registry import KindPlan, TierKind, WorkerPools
 
 logger = logging.getLogger(__name__)
 NAME = "mooncake"
@@ -32,7 +32,6 @@ def enabled(config) -> bool:
 
 
 def build(config, pools: WorkerPools) -> KindPlan:
-    from sglang_kvbm.tiers.mooncake import l3_layout
     from sglang_kvbm.tiers.mooncake.store import G4Settings, G4Store, object_suffix
     from sglang_kvbm.tiers.mooncake.tier import MooncakeTier
 
@@ -56,16 +55,13 @@ def build(config, pools: WorkerPools) -> KindPlan:
                            pp_rank=int(ranks.get("pp_rank", 0)), pp_size=int(ranks.get("pp_size", 1)))
     store = G4Store(settings, fingerprint=fingerprint, model_name=pools.served_model_name, suffix=suffix,
                     page_size=layout.page_size, block_bytes=layout.block_bytes)
-    if pools.under_scheduler:  # tell routers the objects' names
-        l3_layout.advertise(l3_layout.layout(store, page_size=layout.page_size, tp_size=int(ranks.get("tp_size", 1)),
-                                             pp_size=int(ranks.get("pp_size", 1)), mla=pools.mla))
 
     def make(manager) -> MooncakeTier:
         return MooncakeTier(store, manager.host, manager.generation, observe=manager.observe,
                             offload_filter=FrequencyFilter() if config.mooncake_offload_filter else None)
 
     summary = f"master {config.mooncake_master}, objects {store.prefix}_<page hash>{store.suffix}, write-through"
-    return KindPlan([make] + none[1:], summary=summary)
+    return KindPlan([make] + none[1:], summary=summary, names=store)  # routers derive the names from its tag, prefix
 
 
 def _advertised_host(master: str) -> str:
@@ -76,14 +72,6 @@ def _advertised_host(master: str) -> str:
     if master.rpartition(":")[0] in ("127.0.0.1", "localhost"):
         return "127.0.0.1"
     return socket.gethostbyname(socket.gethostname())
-
-
-def on_launch(config) -> None:
-    """Inside ``python -m dynamo.sglang``: Dynamo's router learns the objects' names from the registration."""
-    if "dynamo.sglang" in sys.modules:
-        from sglang_kvbm.tiers.mooncake.dynamo import install
-
-        install()
 
 
 def doctor_rows(config, environ: Mapping[str, str]) -> list[tuple]:
@@ -122,3 +110,6 @@ def run(args: argparse.Namespace) -> Optional[int]:
     finally:
         relay.close()
     return 0
+
+
+KIND = TierKind(NAME, enabled, build, doctor_rows=doctor_rows, commands=commands, run=run)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sglang_kvbm.config.values import ConfigError, _eg
+from sglang_kvbm.base.values import ConfigError, _eg
 
 
 def address(name: str, raw: str) -> str:

@@ -48,7 +48,7 @@ import torch
 from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.pages import Page
 from sglang_kvbm.tiers.block_objects import sign, tag_of, verify
-from sglang_kvbm.tiers.disk.format import header_bytes_for
+from sglang_kvbm.tiers.format import header_bytes_for
 from sglang_kvbm.tiers.mooncake import listeners
 from sglang_kvbm.tiers.mooncake.probe import unreachable_endpoints
 

@@ -17,8 +17,8 @@ import socket
 import urllib.parse
 from typing import Mapping
 
-from sglang_kvbm.ops.needs import pip_install
-from sglang_kvbm.tiers.registry import KindPlan, WorkerPools
+from sglang_kvbm.base.needs import pip_install
+from sglang_kvbm.tiers.registry import KindPlan, TierKind, WorkerPools
 
 logger = logging.getLogger(__name__)
 NAME = "object"
@@ -99,3 +99,6 @@ def doctor_rows(config, environ: Mapping[str, str]) -> list[tuple]:
             rows.append(("object endpoint", "warn", f"{endpoint} did not accept a connection ({exc}): the server "
                          "starts, and the object tier misses until it does (DYN_KVBM_OBJECT_ENDPOINT)"))
     return rows
+
+
+KIND = TierKind(NAME, enabled, build, doctor_rows=doctor_rows, metric_docs=METRIC_DOCS, metrics=metrics)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import urllib.parse
 
-from sglang_kvbm.config.values import ConfigError, _eg, _unset
+from sglang_kvbm.base.values import ConfigError, _eg, _unset
 
 # S3's bucket naming rules: 3-63 of a-z, 0-9, '.', '-', a letter or digit first and last (checked with the
 # placeholder standing for the widest rank number likely: a name that fits it fits every rank's)

@@ -4,7 +4,7 @@ Every process runs from Dynamo's environment (:func:`dynamo_python`: ``.venv-dyn
 ``make test`` builds: ai-dynamo 1.6.1 with the sglang 0.5.21 it pins, and this package), in its own process
 group, stopped by group id. No etcd or NATS: discovery is a directory shared by every process
 (``DYN_DISCOVERY_BACKEND=file``, ``DYN_FILE_KV``), requests go over TCP and events over ZMQ,
-all on 127.0.0.1. :mod:`sglang_kvbm.testing.dynamo` builds the frontend, workers and router
+all on 127.0.0.1. :mod:`harness.dynamo` builds the frontend, workers and router
 view on these.
 """
 
@@ -18,9 +18,9 @@ from typing import Mapping, Optional, Sequence
 
 import requests
 
-from sglang_kvbm.testing.server import QUICK_STOP, free_port, log_tail, stop_group
+from sglang_kvbm.ops.demo.server import QUICK_STOP, free_port, log_tail, stop_group
 
-NAMESPACE_ENDPOINT = "dynamo.backend.generate"  # where dynamo.sglang serves (namespace.component.endpoint)
+from sglang_kvbm.integration.dynamo.router_view import NAMESPACE_ENDPOINT  # noqa: F401  (where dynamo.sglang serves)
 
 
 def dynamo_python() -> Path:

@@ -26,7 +26,7 @@ from typing import Optional
 
 import requests
 
-from sglang_kvbm.testing.server import free_port, stop_group
+from sglang_kvbm.ops.demo.server import free_port, stop_group
 from sglang_kvbm.tiers.mooncake.probe import unreachable_endpoints
 
 

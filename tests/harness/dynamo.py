@@ -1,6 +1,6 @@
 """Dynamo's own processes on one machine, for tests and benchmarks: frontend and SGLang workers.
 
-Each is started from Dynamo's environment as :mod:`sglang_kvbm.testing.dynamo_env` describes
+Each is started from Dynamo's environment as :mod:`harness.dynamo_env` describes
 (file discovery, TCP requests, ZMQ events, all on 127.0.0.1, one process group each).
 ``examples/dynamo/`` runs the same deployment by hand.
 
@@ -8,7 +8,7 @@ Each is started from Dynamo's environment as :mod:`sglang_kvbm.testing.dynamo_en
 * :class:`DynamoWorker`: ``python -m dynamo.sglang`` on CPU with KV events, with this library
   (``--radix-cache-backend kvbm``, its ``/tiers`` and ``/stats`` endpoint on) or stock.
 
-What Dynamo's KV router holds per worker and tier: :class:`sglang_kvbm.testing.dynamo_router_view.RouterView`.
+What Dynamo's KV router holds per worker and tier: :class:`harness.router_view.RouterView`.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ from typing import Any, Mapping, Optional, Sequence
 
 import requests
 
-from sglang_kvbm.testing.dynamo_env import (
+from harness.dynamo_env import (
     DynamoError,
     _Process,
     dynamo_env,
     dynamo_python,
     system_port,
 )
-from sglang_kvbm.testing.server import CPU_ARGS, free_port, stream_chunks
+from sglang_kvbm.ops.demo.server import CPU_ARGS, free_port, stream_chunks
 
 __all__ = ["Completion", "DynamoError", "DynamoFrontend", "DynamoWorker", "dynamo_python"]
 

@@ -31,16 +31,16 @@ from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.onboard_policy import OnboardPolicy
 from sglang_kvbm.core.pages import Page
 from sglang_kvbm.core.ports import PollResult, StoreRequest, TierCounts, TierEvent, TierEventKind
+from sglang_kvbm.base.values import GIB
 from sglang_kvbm.core.tiers import Tier
 from sglang_kvbm.tiers.host.pool import HostBlockPool
-from sglang_kvbm.tiers.lookups import LoadPlan, TierReads
+from sglang_kvbm.manager.lookups import LoadPlan, TierReads
 from sglang_kvbm.tiers.lower import LowerTier
-from sglang_kvbm.tiers.offloads import Offloads
+from sglang_kvbm.manager.offloads import Offloads
 from sglang_kvbm.tiers.staging import ReadStaging
 from sglang_kvbm.transfer.kv_layout import PagedKvLayout
 
 logger = logging.getLogger(__name__)
-GIB = 1 << 30
 
 
 class TransferObserver(Protocol):

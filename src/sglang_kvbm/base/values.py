@@ -14,6 +14,9 @@ import os
 from typing import Any
 
 
+GIB = 1 << 30
+
+
 class ConfigError(ValueError):
     """A configuration value is missing, malformed or out of range."""
 

@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Callable, Optional, Sequence
 
-from sglang_kvbm.tiers.manager import LocalBlockManager
+from sglang_kvbm.manager.block_manager import LocalBlockManager
 from sglang_kvbm.transfer import copies
 
 logger = logging.getLogger(__name__)

@@ -14,9 +14,16 @@ included) is refused until verified.
 
 from __future__ import annotations
 
-from sglang_kvbm.config import ConfigError
+from importlib import metadata
+
+from sglang_kvbm.base.values import ConfigError
 
 SUPPORTED_SGLANG = ">=0.5.21,<0.6"
+
+try:  # one version source: pyproject.toml's, through the installed metadata
+    VERSION = metadata.version("sglang-kvbm")
+except metadata.PackageNotFoundError:  # a source tree on PYTHONPATH, never installed
+    VERSION = "0+unknown"
 
 
 def check_sglang_version(installed: str) -> None:

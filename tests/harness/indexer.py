@@ -1,7 +1,7 @@
 """Dynamo's standalone KV indexer (``python -m dynamo.indexer``) as a subprocess.
 
 It runs from Dynamo's environment (``ai-dynamo-runtime==1.6.1`` pins a pydantic
-SGLang cannot use): the interpreter is :func:`sglang_kvbm.testing.dynamo_env.dynamo_python`,
+SGLang cannot use): the interpreter is :func:`harness.dynamo_env.dynamo_python`,
 ``.venv-dynamo/bin/python`` at the repository root unless ``DYNAMO_PYTHON``
 names another (``make test`` creates it). Note: the indexer listens on 0.0.0.0 and has
 no option to change it.
@@ -16,8 +16,8 @@ from typing import Optional
 
 import requests
 
-from sglang_kvbm.testing.dynamo_env import require_dynamo
-from sglang_kvbm.testing.server import free_port, stop_group
+from harness.dynamo_env import require_dynamo
+from sglang_kvbm.ops.demo.server import free_port, stop_group
 
 
 class DynamoIndexer:

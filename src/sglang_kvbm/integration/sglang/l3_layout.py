@@ -7,7 +7,7 @@ object names' prefix and suffixes, so a router can derive them from request
 tokens. With this library SGLang's HiCache is off, so the scheduler would say
 "disabled"; :func:`advertise` makes it describe this library's G4 objects
 instead, in the same shape, plus the ``extra_backend_tag`` Dynamo 1.6.1's
-registration asks for (:mod:`sglang_kvbm.tiers.mooncake.dynamo`).
+registration asks for (:mod:`sglang_kvbm.integration.dynamo.mooncake`).
 
 The layout is told once, at start-up: after a weight update re-keys G4
 (``weight_updates``), a router keeps deriving the old names and sees no shared

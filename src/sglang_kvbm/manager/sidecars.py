@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 
 from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.ports import StoreRequest
-from sglang_kvbm.tiers.manager import LocalBlockManager
+from sglang_kvbm.manager.block_manager import LocalBlockManager
 
 
 class SidecarStores:

@@ -17,8 +17,8 @@ from typing import Optional, Sequence
 
 import requests
 
-from sglang_kvbm.testing.model import DEMO, make_model, prompt_ids
-from sglang_kvbm.testing.server import SglangServer, stream_chunks
+from sglang_kvbm.ops.demo.model import DEMO, make_model, prompt_ids
+from sglang_kvbm.ops.demo.server import SglangServer, stream_chunks
 
 logger = logging.getLogger(__name__)
 

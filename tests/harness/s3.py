@@ -17,7 +17,7 @@ from typing import Optional
 
 import requests
 
-from sglang_kvbm.testing.server import free_port, stop_group
+from sglang_kvbm.ops.demo.server import free_port, stop_group
 
 # moto checks no signature, but refuses an anonymous overwrite of an object written with credentials
 _ANY_SIGNATURE = {"Authorization": "AWS4-HMAC-SHA256 Credential=testing/20260101/us-east-1/s3/aws4_request, "

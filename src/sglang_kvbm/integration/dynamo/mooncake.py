@@ -7,7 +7,7 @@ SGLang's HiCache writes to Mooncake (``--hicache-storage-backend mooncake``),
 which this library replaces. :func:`install` wraps Dynamo's
 ``get_runtime_config`` so that a worker running this library with G4 on
 publishes the same dict, built from the scheduler's L3 layout
-(:mod:`sglang_kvbm.tiers.mooncake.l3_layout`): the tag (the server's
+(:mod:`sglang_kvbm.integration.sglang.l3_layout`): the tag (the server's
 identity), the key prefix (tag + served model name), page size, TP/PP, MLA,
 EAGLE, and ``DYN_MOONCAKE_KV_EVENTS_ENDPOINT``, where the router subscribes to
 the master's events (``sglang-kvbm mooncake-events``). Nothing changes when
@@ -23,7 +23,7 @@ import os
 import sys
 from typing import Any, Optional
 
-from sglang_kvbm.tiers.mooncake.l3_layout import TAG_KEY
+from sglang_kvbm.integration.sglang.l3_layout import TAG_KEY
 
 logger = logging.getLogger(__name__)
 
