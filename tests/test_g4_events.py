@@ -109,9 +109,9 @@ def test_the_worker_registers_the_names_its_ranks_write():
 
     from sglang_kvbm.integration.dynamo.mooncake import registration
     from sglang_kvbm.integration.sglang.l3_layout import layout
-    from sglang_kvbm.tiers.mooncake.store import G4Settings, G4Store, object_suffix
+    from sglang_kvbm.tiers.mooncake.store import MooncakeSettings, MooncakeStore, object_suffix
 
-    g4 = G4Store(G4Settings("127.0.0.1:1", "P2PHANDSHAKE"), fingerprint=bytes(range(32)), model_name="org/tiny",
+    g4 = MooncakeStore(MooncakeSettings("127.0.0.1:1", "P2PHANDSHAKE"), fingerprint=bytes(range(32)), model_name="org/tiny",
                  suffix=object_suffix(0), page_size=4, block_bytes=64)
     mha = layout(g4, page_size=4, tp_size=2, pp_size=1, mla=False)
     assert mha["hicache_object_layout"]["pools"] == [{"suffixes": ["_0_k", "_1_k"], "hit_policy": "all_pages"}]

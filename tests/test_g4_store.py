@@ -1,6 +1,6 @@
 """G4's object store on a real Mooncake Store: a ``mooncake_master`` and a standalone memory lender on 127.0.0.1.
 
-Two workers are two ``G4Store`` clients (Mooncake clients of their own; in one
+Two workers are two ``MooncakeStore`` clients (Mooncake clients of their own; in one
 process, which Mooncake treats like two). What one writes the other reads,
 verified; another identity reads nothing; a damaged object is a miss; a master
 lost mid-run turns every call into a miss within one call's timeout, then at
@@ -19,7 +19,7 @@ import torch
 from sglang_kvbm.core.pages import one_page
 from harness.mooncake import MooncakeCluster
 from sglang_kvbm.tiers.mooncake import listeners
-from sglang_kvbm.tiers.mooncake.store import G4Settings, G4Store, key_prefix, object_suffix
+from sglang_kvbm.tiers.mooncake.store import MooncakeSettings, MooncakeStore, key_prefix, object_suffix
 from sglang_kvbm.transfer.host_memory import aligned_empty
 
 PAGE, BLOCK = 4, 8192
@@ -36,8 +36,8 @@ class Worker:
     """One worker's G4 client with registered block rows and header rows (as the host slab and staging will be)."""
 
     def __init__(self, cluster, fingerprint=IDENTITY, rows=8, lend=0):
-        settings = G4Settings(cluster.master_address, cluster.metadata_url, segment_bytes=lend)
-        self.store = G4Store(settings, fingerprint=fingerprint, model_name="org/tiny", suffix="_0_k", page_size=PAGE,
+        settings = MooncakeSettings(cluster.master_address, cluster.metadata_url, segment_bytes=lend)
+        self.store = MooncakeStore(settings, fingerprint=fingerprint, model_name="org/tiny", suffix="_0_k", page_size=PAGE,
                              block_bytes=BLOCK, retry_s=30.0)
         assert self.store.connect()
         self.rows = aligned_empty((rows, BLOCK))
@@ -62,7 +62,7 @@ def expected(seed: int) -> torch.Tensor:
 
 
 def test_keys_are_sglang_hicache_keys_with_the_identity_in_the_tag():
-    store = G4Store(G4Settings("127.0.0.1:1", "P2PHANDSHAKE"), fingerprint=IDENTITY, model_name="Qwen/Qwen3-0.6B",
+    store = MooncakeStore(MooncakeSettings("127.0.0.1:1", "P2PHANDSHAKE"), fingerprint=IDENTITY, model_name="Qwen/Qwen3-0.6B",
                     suffix=object_suffix(1), page_size=PAGE, block_bytes=BLOCK)
     assert key_prefix("kvbm-x", "Qwen/Qwen3-0.6B") == "kvbm-x_Qwen-Qwen3-0.6B"  # SGLang's `config_prefix`
     assert store.key("ab" * 32) == f"kvbm-{IDENTITY.hex()[:16]}_Qwen-Qwen3-0.6B_{'ab' * 32}_1_k"
@@ -116,7 +116,7 @@ def test_a_lost_master_turns_calls_into_misses_without_raising(cluster):
 
 
 def test_a_write_goes_under_the_identity_it_names_and_a_closed_store_stays_closed(cluster):
-    """G4Writes names the identity a block was queued under: a re-key meanwhile does not move its object."""
+    """MooncakeWrites names the identity a block was queued under: a re-key meanwhile does not move its object."""
     a, old, new = Worker(cluster), Worker(cluster), Worker(cluster, fingerprint=bytes(16))
     a.store.rekey(bytes(16))
     a.rows[0].copy_(expected(1))

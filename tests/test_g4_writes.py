@@ -27,7 +27,7 @@ from sglang_kvbm.tiers.disk.setup import probe
 from sglang_kvbm.tiers.disk.store import DiskStore
 from sglang_kvbm.tiers.disk.tier import DiskTier
 from sglang_kvbm.manager.block_manager import LocalBlockManager
-from sglang_kvbm.tiers.mooncake.store import G4Settings, G4Store
+from sglang_kvbm.tiers.mooncake.store import MooncakeSettings, MooncakeStore
 from sglang_kvbm.tiers.mooncake.tier import MooncakeTier
 from sglang_kvbm.transfer import copies
 from sglang_kvbm.transfer.host_memory import aligned_empty
@@ -57,8 +57,8 @@ def managers():
         manager.close()
 
 
-def g4_store(cluster, layout, fingerprint=IDENTITY, retry_s=0.5) -> G4Store:
-    return G4Store(G4Settings(cluster.master_address, cluster.metadata_url), fingerprint=fingerprint,
+def g4_store(cluster, layout, fingerprint=IDENTITY, retry_s=0.5) -> MooncakeStore:
+    return MooncakeStore(MooncakeSettings(cluster.master_address, cluster.metadata_url), fingerprint=fingerprint,
                    model_name="org/tiny", suffix="_0_k", page_size=PAGE, block_bytes=layout.block_bytes,
                    retry_s=retry_s)
 

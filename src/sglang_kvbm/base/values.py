@@ -8,10 +8,11 @@ variable (``DYN_KVBM_CPU_CACHE_GB``), or a ``--kvbm-config`` key
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
-from typing import Any
+from typing import Any, Callable
 
 
 GIB = 1 << 30
@@ -178,3 +179,15 @@ def _file_path(name: str, raw: str) -> str:
     if "\x00" in raw or not raw:
         raise ConfigError(f"{name}={raw!r} is not a file path: set it to one, or {_unset(name)} for the default")
     return os.path.abspath(os.path.expanduser(raw))
+
+
+@dataclasses.dataclass(frozen=True)
+class Var:
+    """One variable this library reads: its name, the ``KvbmConfig`` field it sets, its parser, one line of doc."""
+
+    env: str
+    field: str
+    parse: Callable[[str, str], Any]
+    doc: str
+    text: bool = False  # a path or an address: in JSON, only a string (a number or true is a mistake)
+    secret: bool = False  # a credential: never in a repr, a log line, doctor's table or an error message

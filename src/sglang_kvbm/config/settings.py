@@ -22,6 +22,7 @@ from sglang_kvbm.base.values import (  # ConfigError: everyone imports it from h
     GIB,
     ConfigError,
     JsonKey,
+    Var,
     _block_size,
     _bool,
     _directory,
@@ -36,6 +37,7 @@ from sglang_kvbm.base.values import (  # ConfigError: everyone imports it from h
     _staging_gib,
     _wait_ms,
 )
+from sglang_kvbm.tiers.disk import settings as disk
 from sglang_kvbm.tiers.mooncake import settings as mooncake
 from sglang_kvbm.tiers.object import settings as object_tier
 
@@ -43,109 +45,51 @@ logger = logging.getLogger(__name__)
 
 
 
-@dataclasses.dataclass(frozen=True)
-class _Var:
-    env: str
-    field: str
-    parse: Callable[[str, str], Any]
-    doc: str
-    text: bool = False  # a path or an address: in JSON, only a string (a number or true is a mistake)
-    secret: bool = False  # a credential: never in a repr, a log line, doctor's table or an error message
-
-
 # The variables this library reads, in the order a person would set them.
 _VARS: tuple[_Var, ...] = (
-    _Var("DYN_KVBM_CPU_CACHE_GB", "cpu_cache_gb", _positive_float, "host (G2) tier size in GiB"),
-    _Var(
+    Var("DYN_KVBM_CPU_CACHE_GB", "cpu_cache_gb", _positive_float, "host (G2) tier size in GiB"),
+    Var(
         "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS",
         "cpu_cache_blocks",
         _positive_int,
         "host (G2) tier size in blocks; overrides DYN_KVBM_CPU_CACHE_GB",
     ),
-    _Var("DYN_KVBM_DISK_CACHE_GB", "disk_cache_gb", _positive_float, "disk (G3) tier size in GiB"),
-    _Var(
-        "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS",
-        "disk_cache_blocks",
-        _positive_int,
-        "disk (G3) tier size in blocks; overrides DYN_KVBM_DISK_CACHE_GB",
-    ),
-    _Var("DYN_KVBM_DISK_CACHE_DIR", "disk_cache_dir", _directory, "where the disk tier's files live (default /tmp)",
+    *disk.VARIABLES,
+    Var("DYN_KVBM_METRICS", "metrics", _bool, "serve Prometheus metrics and /tiers on DYN_KVBM_METRICS_PORT"),
+    Var("DYN_KVBM_METRICS_PORT", "metrics_port", _port, "port of the metrics endpoint (default 6880)"),
+    Var("SGLANG_KVBM_HTTP_HOST", "http_host", _host, "address the metrics endpoint binds (default 127.0.0.1)",
          text=True),
-    _Var(
-        "DYN_KVBM_DISK_ZEROFILL_FALLBACK",
-        "disk_zerofill_fallback",
-        _bool,
-        "preallocate disk files by writing zeros where fallocate is unsupported (e.g. Lustre)",
-    ),
-    _Var(
-        "DYN_KVBM_DISK_DISABLE_O_DIRECT",
-        "disk_disable_o_direct",
-        _bool,
-        "use buffered I/O where the filesystem rejects O_DIRECT",
-    ),
-    _Var(
-        "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER",
-        "disable_disk_offload_filter",
-        _bool,
-        "write every host block to disk, not only reused ones (shortens SSD life)",
-    ),
-    _Var("DYN_KVBM_METRICS", "metrics", _bool, "serve Prometheus metrics and /tiers on DYN_KVBM_METRICS_PORT"),
-    _Var("DYN_KVBM_METRICS_PORT", "metrics_port", _port, "port of the metrics endpoint (default 6880)"),
-    _Var("SGLANG_KVBM_HTTP_HOST", "http_host", _host, "address the metrics endpoint binds (default 127.0.0.1)",
-         text=True),
-    _Var(
+    Var(
         "SGLANG_KVBM_ROUTER_BLOCK_SIZE",
         "router_block_size",
         _block_size,
         "the block size Dynamo's router runs with; start-up fails unless it equals the page size",
     ),
-    _Var(
+    Var(
         "DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY",
         "host_offload_min_priority",
         _priority,
         "requests below this priority (0-100) are not offloaded to host",
     ),
-    _Var("SGLANG_KVBM_LOAD_WAIT_MS", "load_wait_ms", _wait_ms,
+    Var("SGLANG_KVBM_LOAD_WAIT_MS", "load_wait_ms", _wait_ms,
          "the least a load waits for its own disk and G4 reads before the request recomputes them (default 50 ms, "
          "plus 3x what the read meter expects; a first G4 read 500)"),
-    _Var("SGLANG_KVBM_READ_STAGING_GB", "read_staging_gb", _staging_gib,
+    Var("SGLANG_KVBM_READ_STAGING_GB", "read_staging_gb", _staging_gib,
          "host memory (pinned on CUDA) that reads from disk and the shared tiers land in before the device copy "
          "(default 1 GiB, at most the device pool): the longest prefix one load brings from below host, the rest "
          "of a longer hit is recomputed"),
-    _Var(
+    Var(
         "DYN_KVBM_CACHE_STATS_MAX_REQUESTS",
         "cache_stats_max_requests",
         _positive_int,
         "requests in the sliding window of the host and disk hit rates (default 1000)",
     ),
-    _Var("SGLANG_KVBM_MOONCAKE_MASTER", "mooncake_master", mooncake.address,
-         "Mooncake master host:port; setting it turns on the tier shared by every worker (G4)", text=True),
-    _Var("SGLANG_KVBM_MOONCAKE_METADATA", "mooncake_metadata", mooncake.metadata_url,
-         "P2PHANDSHAKE (no metadata server), or a Mooncake metadata server's URL", text=True),
-    _Var("SGLANG_KVBM_MOONCAKE_PROTOCOL", "mooncake_protocol", mooncake.protocol, "tcp (default) or rdma", text=True),
-    _Var("SGLANG_KVBM_MOONCAKE_SEGMENT_GB", "mooncake_segment_gb", _gib_or_zero,
-         "memory this worker lends the store (default 0: a standalone store process lends it)"),
-    _Var("SGLANG_KVBM_MOONCAKE_OFFLOAD_FILTER", "mooncake_offload_filter", _bool,
-         "write a block to G4 only once it was reused (KVBM's frequency filter), not every stored block"),
-    _Var("DYN_KVBM_OBJECT_ENABLED", "object_enabled", _bool, "KVBM's G4: the object tier, an S3-compatible bucket "
-         "through NIXL's OBJ backend (default 0)"),
-    _Var("DYN_KVBM_OBJECT_BUCKET", "object_bucket", object_tier.bucket,
-         "the bucket (it must exist); {worker_id} becomes this rank's number", text=True),
-    _Var("DYN_KVBM_OBJECT_ENDPOINT", "object_endpoint", object_tier.endpoint,
-         "the object store's URL, e.g. http://127.0.0.1:9000 (path-style); unset: AWS S3", text=True),
-    _Var("DYN_KVBM_OBJECT_REGION", "object_region", object_tier.text, "the bucket's region", text=True),
-    _Var("DYN_KVBM_OBJECT_ACCESS_KEY", "object_access_key", object_tier.text,
-         "with _SECRET_KEY; unset: the AWS SDK's own credentials", text=True, secret=True),
-    _Var("DYN_KVBM_OBJECT_SECRET_KEY", "object_secret_key", object_tier.text, "with _ACCESS_KEY", text=True,
-         secret=True),
-    _Var("DYN_KVBM_OBJECT_WRITE_THROUGH", "object_write_through", _bool,
-         "keep a block in host after it is written to the bucket (default 1; 0: it leaves host)"),
-    _Var("DYN_KVBM_OBJECT_NUM_BLOCKS", "object_num_blocks", _positive_int,
-         "blocks the worker remembers being in the bucket (default 100000)"),
-    _Var("SGLANG_KVBM_MODEL_IDENTITY", "model_identity", _identity_name,
+    *mooncake.VARIABLES,
+    *object_tier.VARIABLES,
+    Var("SGLANG_KVBM_MODEL_IDENTITY", "model_identity", _identity_name,
          "names the model's weights (a version you vouch for) instead of their content digest, read at first start",
          text=True),
-    _Var("SGLANG_KVBM_DIGEST_CACHE", "digest_cache", _file_path,
+    Var("SGLANG_KVBM_DIGEST_CACHE", "digest_cache", _file_path,
          "file caching the model files' content digests (default ~/.cache/sglang-kvbm/digests.json)", text=True),
 )
 _BY_ENV = {v.env: v for v in _VARS}
@@ -188,7 +132,7 @@ class _Pairs(list):
     """A JSON object as its ``(key, value)`` pairs, in order, duplicates kept."""
 
 
-def _json_var(key: str) -> _Var:
+def _json_var(key: str) -> Var:
     by_field = {v.field: v for v in _VARS}
     var = _BY_ENV.get(key) or by_field.get(str(key).lower())
     if var is None:
@@ -200,7 +144,7 @@ def _json_var(key: str) -> _Var:
     return var
 
 
-def _json_text(var: _Var, key: str, raw: Any) -> str:
+def _json_text(var: Var, key: str, raw: Any) -> str:
     """A JSON value as the text the environment would carry, or a ConfigError naming the key."""
     if isinstance(raw, bool) and not var.text:
         return "true" if raw else "false"
@@ -347,17 +291,7 @@ class KvbmConfig:
 
     def require_a_tier(self) -> None:
         """Fail when no tier below the device is configured: the backend would do nothing."""
-        if self.has_mooncake and not self.has_host:
-            raise ConfigError(
-                "SGLANG_KVBM_MOONCAKE_MASTER (the shared tier) needs a host tier to stage and write through: set "
-                "DYN_KVBM_CPU_CACHE_GB (e.g. DYN_KVBM_CPU_CACHE_GB=4) or DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS"
-            )
-        if self.has_mooncake and self.mooncake_metadata is None:
-            raise ConfigError(
-                "SGLANG_KVBM_MOONCAKE_MASTER is set but SGLANG_KVBM_MOONCAKE_METADATA is not: set it to P2PHANDSHAKE "
-                "(clients find each other, no metadata server), or to a metadata server's URL, e.g. "
-                "http://<host>:8080/metadata"
-            )
+        mooncake.check(self)
         object_tier.check(self)
         if not self.has_host and not self.has_disk:
             raise ConfigError(

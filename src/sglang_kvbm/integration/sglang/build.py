@@ -22,10 +22,10 @@ from sglang_kvbm.core.onboard_policy import OnboardPolicy
 from sglang_kvbm.integration.sglang import l3_layout
 from sglang_kvbm.integration.sglang.fingerprint import model_identity, server_fingerprint
 from sglang_kvbm.integration.sglang.pool_group import PoolGroup, describe_pools
-from sglang_kvbm.tiers import registry
 from sglang_kvbm.tiers.disk.store import DiskStore
 from sglang_kvbm.manager.block_manager import LocalBlockManager
-from sglang_kvbm.tiers.registry import WorkerPools, pool_blocks
+from sglang_kvbm.manager.build import build_managers
+from sglang_kvbm.tiers.registry import WorkerPools
 from sglang_kvbm.manager.sidecars import SidecarStores
 from sglang_kvbm.transfer.kv_layout import PagedKvLayout
 
@@ -77,17 +77,6 @@ def build_tiers(
             each.share_streams(layout)
         layout.avoid_streams(torch.cuda.current_stream(layout.device), forward_stream)
     shares = [1.0] + [s.share for s in group.sidecars]
-    row_bytes = round(sum(each.block_bytes * share for each, share in zip(layouts, shares)))  # per KV block
-    host_blocks = config.host_blocks(row_bytes)
-    device_pages = allocator.size // params.page_size
-    staging_blocks = config.read_staging_blocks(row_bytes, device_pages)
-    if config.has_host and host_blocks < device_pages:
-        logger.warning(
-            "kvbm: the host tier (%d blocks) is smaller than the device KV pool (%d pages): "
-            "it can only hold what the device already holds, so it will churn without hits. "
-            "Raise DYN_KVBM_CPU_CACHE_GB to at least %.3g.",
-            host_blocks, device_pages, device_pages * row_bytes / GIB,
-        )
     settings = {**identity.settings, "pool_group": group.shape_id()}  # every pool's shape and dtypes
     pools = [("kv", layout)] + [(s.name, s.layout) for s in group.sidecars]
     layout_of = dict(pools)
@@ -106,22 +95,15 @@ def build_tiers(
         mla=isinstance(kvcache, MLATokenToKVPool), under_scheduler="sglang.srt.managers.scheduler" in sys.modules,
         lanes={"disk_writer": disk_writer, "disk_reader": disk_reader},
     )
-    built = registry.build(config, worker)
-    factories, policy, summary = built.per_pool, built.policy, built.summary
+    built = build_managers(config, worker, allocator.size // params.page_size, observer=observer,
+                           executor=offload_executor)
+    managers, policy, summary, row_bytes, host_blocks = (built.managers, built.policy, built.summary, built.row_bytes,
+                                                         built.host_blocks)
     store = built.names.get("mooncake")
     if store is not None and worker.under_scheduler:  # tell routers G4's object names, through SGLang's channel
         l3_layout.advertise(l3_layout.layout(store, page_size=layout.page_size, mla=worker.mla,
                                              tp_size=int(identity.ranks.get("tp_size", 1)),
                                              pp_size=int(identity.ranks.get("pp_size", 1))))
-    managers = []
-    for (name, pool_layout), share, tiers in zip(pools, shares, factories):
-        kv = name == "kv"  # the tests' gated threads and the metrics observe the KV pool's copies
-        managers.append(LocalBlockManager(
-            pool_layout, pool_blocks(host_blocks, share), pin=layout.is_cuda, tiers=tiers,
-            staging_blocks=pool_blocks(staging_blocks, share),
-            policy=policy, observer=observer if kv else None, executor=offload_executor if kv else None,
-            wait_floor=None if config.load_wait_ms is None else config.load_wait_ms / 1000,
-        ))
     manager = managers[0]
     sidecars = SidecarStores({s.name: (m, s.window) for s, m in zip(group.sidecars, managers[1:])})
     per_pool = ", ".join(
@@ -131,7 +113,7 @@ def build_tiers(
            if name != "kv" else "")
         for name, m in zip(worker.names, managers))
     logger.info(
-        "kvbm: local backend, page %d tokens, %d bytes a KV block with its share of the other pools (%s; %d layers; "
+        "kvbm: page %d tokens, %d bytes a KV block with its share of the other pools (%s; %d layers; "
         "`sglang-kvbm doctor --block-bytes %d --page-size %d` checks the room for it); host tier %d blocks "
         "(%.2f GiB%s); below host: %s",
         params.page_size, row_bytes, per_pool, layout.num_layers, row_bytes, params.page_size, host_blocks,

@@ -22,7 +22,7 @@ TAG_KEY = "extra_backend_tag"
 
 
 def layout(g4: Any, *, page_size: int, tp_size: int, pp_size: int, mla: bool) -> dict:
-    """SGLang's L3 layout dict for the objects ``g4`` (a ``G4Store``) and the worker's other ranks write."""
+    """SGLang's L3 layout dict for the objects ``g4`` (a ``MooncakeStore``) and the worker's other ranks write."""
     from sglang_kvbm.tiers.mooncake.store import object_suffix
 
     if mla:

@@ -32,7 +32,7 @@ def enabled(config) -> bool:
 
 
 def build(config, pools: WorkerPools) -> KindPlan:
-    from sglang_kvbm.tiers.mooncake.store import G4Settings, G4Store, object_suffix
+    from sglang_kvbm.tiers.mooncake.store import MooncakeSettings, MooncakeStore, object_suffix
     from sglang_kvbm.tiers.mooncake.tier import MooncakeTier
 
     if importlib.util.find_spec("mooncake") is None:
@@ -47,13 +47,13 @@ def build(config, pools: WorkerPools) -> KindPlan:
     # One tag for every rank and pipeline stage of the worker (the router is told one): the tp and pp ranks are in
     # each name's suffix instead.
     fingerprint, _ = pools.fingerprint("kv", {"tp_rank": 0, "pp_rank": 0, "dp_rank": 0, "attn_cp_rank": 0})
-    settings = G4Settings(config.mooncake_master, config.mooncake_metadata, config.mooncake_protocol,
+    settings = MooncakeSettings(config.mooncake_master, config.mooncake_metadata, config.mooncake_protocol,
                           int(config.mooncake_segment_gb * GIB), hostname=_advertised_host(config.mooncake_master))
     # --served-model-name names the objects (as HiCache's L3 pages); without one, the tag alone: it names the model by
     # content, where a path or directory name would part two hosts holding the same model
     suffix = object_suffix(int(ranks.get("tp_rank", 0)), mla=pools.mla,
                            pp_rank=int(ranks.get("pp_rank", 0)), pp_size=int(ranks.get("pp_size", 1)))
-    store = G4Store(settings, fingerprint=fingerprint, model_name=pools.served_model_name, suffix=suffix,
+    store = MooncakeStore(settings, fingerprint=fingerprint, model_name=pools.served_model_name, suffix=suffix,
                     page_size=layout.page_size, block_bytes=layout.block_bytes)
 
     def make(manager) -> MooncakeTier:

@@ -4,7 +4,7 @@ Mooncake 0.3.13's store client (each worker rank's, and the standalone
 ``mooncake_client``'s) opens two listeners it cannot bind to one address: its
 transfer RPC on 0.0.0.0 and its TCP data listener on ``[::]`` (every IPv4 and
 IPv6 address), both on ports from ``MC_MIN_RPC_PORT``..``MC_MAX_RPC_PORT``
-(measured; README "What listens where"). ``G4Store.connect`` logs the ones it
+(measured; README "What listens where"). ``MooncakeStore.connect`` logs the ones it
 opened; ``doctor`` says where the master's listeners are bound.
 """
 

@@ -1,8 +1,9 @@
-"""The mooncake tier's settings: ``SGLANG_KVBM_MOONCAKE_*`` parsed and checked (``config.settings`` reads them)."""
+"""The mooncake tier's settings: its ``SGLANG_KVBM_MOONCAKE_*`` variables, parsers and checks (``config.settings``
+reads them with the rest)."""
 
 from __future__ import annotations
 
-from sglang_kvbm.base.values import ConfigError, _eg
+from sglang_kvbm.base.values import ConfigError, Var, _bool, _eg, _gib_or_zero
 
 
 def address(name: str, raw: str) -> str:
@@ -39,3 +40,33 @@ def check_environment(environ, metadata) -> None:
             "0 too) with G4 on (SGLANG_KVBM_MOONCAKE_MASTER) and a metadata server: Mooncake then takes the "
             "client's transfer RPC port from its local hostname, which has none, and G4's setup fails every time: "
             "unset MC_LEGACY_RPC_PORT_BINDING (or use SGLANG_KVBM_MOONCAKE_METADATA=P2PHANDSHAKE)")
+
+
+
+def check(config) -> None:
+    """Settings that are wrong only together (start-up, with the mooncake tier on)."""
+    if not config.has_mooncake:
+        return
+    if not config.has_host:
+        raise ConfigError(
+            "SGLANG_KVBM_MOONCAKE_MASTER (the shared tier) needs a host tier to stage and write through: set "
+            "DYN_KVBM_CPU_CACHE_GB (e.g. DYN_KVBM_CPU_CACHE_GB=4) or DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS"
+        )
+    if config.mooncake_metadata is None:
+        raise ConfigError(
+            "SGLANG_KVBM_MOONCAKE_MASTER is set but SGLANG_KVBM_MOONCAKE_METADATA is not: set it to P2PHANDSHAKE "
+            "(clients find each other, no metadata server), or to a metadata server's URL, e.g. "
+            "http://<host>:8080/metadata"
+        )
+
+VARIABLES: tuple[Var, ...] = (
+    Var("SGLANG_KVBM_MOONCAKE_MASTER", "mooncake_master", address,
+         "Mooncake master host:port; setting it turns on the tier shared by every worker (G4)", text=True),
+    Var("SGLANG_KVBM_MOONCAKE_METADATA", "mooncake_metadata", metadata_url,
+         "P2PHANDSHAKE (no metadata server), or a Mooncake metadata server's URL", text=True),
+    Var("SGLANG_KVBM_MOONCAKE_PROTOCOL", "mooncake_protocol", protocol, "tcp (default) or rdma", text=True),
+    Var("SGLANG_KVBM_MOONCAKE_SEGMENT_GB", "mooncake_segment_gb", _gib_or_zero,
+         "memory this worker lends the store (default 0: a standalone store process lends it)"),
+    Var("SGLANG_KVBM_MOONCAKE_OFFLOAD_FILTER", "mooncake_offload_filter", _bool,
+         "write a block to G4 only once it was reused (KVBM's frequency filter), not every stored block"),
+)

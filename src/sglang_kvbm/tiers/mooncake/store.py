@@ -21,11 +21,11 @@ device: a missing, evicted, foreign or damaged object is a miss.
 
 Mooncake's calls block and answer with error codes, never exceptions; with the
 master gone each one takes ~4.5 s to fail (its batch calls let go of the GIL
-meanwhile, measured; ``setup`` does not: see :meth:`G4Store.connect`). So every
+meanwhile, measured; ``setup`` does not: see :meth:`MooncakeStore.connect`). So every
 call runs on the G4 thread (never the scheduler's), and the first RPC failure
 marks the store down for ``retry_s``: calls in that window answer "miss" at once.
 A write names its objects, and signs its headers, with the identity it is given
-(the one its block was queued under: see ``writes.G4Writes``), not whatever the
+(the one its block was queued under: see ``writes.MooncakeWrites``), not whatever the
 store is re-keyed to meanwhile.
 
 Not Mooncake's own ``MooncakeStore`` (SGLang's ``HiCacheStorage``): it moves
@@ -58,7 +58,7 @@ RPC_FAIL = -900  # the master did not answer (Mooncake's ErrorCode::RPC_FAIL)
 
 
 @dataclasses.dataclass(frozen=True)
-class G4Settings:
+class MooncakeSettings:
     master: str  # host:port of mooncake_master's RPC
     metadata: str  # P2PHANDSHAKE (no metadata server), or a metadata server's URL
     protocol: str = "tcp"
@@ -81,9 +81,9 @@ def object_suffix(tp_rank: int, *, mla: bool = False, pp_rank: int = 0, pp_size:
     return f"_{tp_rank}_{pp_rank}_k" if pp_size > 1 else f"_{tp_rank}_k"
 
 
-class G4Store:
+class MooncakeStore:
     def __init__(
-        self, settings: G4Settings, *, fingerprint: bytes, model_name: str, suffix: str, page_size: int,
+        self, settings: MooncakeSettings, *, fingerprint: bytes, model_name: str, suffix: str, page_size: int,
         block_bytes: int, retry_s: float = 5.0,
     ) -> None:
         self.settings = settings
@@ -100,7 +100,7 @@ class G4Store:
         self._closed = False
         self._lock = threading.Lock()  # one call at a time (register, reads, writes come from different threads)
         self.stats = {"written": 0, "read": 0, "misses": 0, "rejected": 0, "removed": 0, "down": 0,
-                      # the write-through's (writes.G4Writes): blocks not queued (queue full), writes dropped (a
+                      # the write-through's (writes.MooncakeWrites): blocks not queued (queue full), writes dropped (a
                       # reset or re-key since queued), queued again (failed, or offered while down), given up, and
                       # written again (G4 had lost them: a master restart)
                       "write_queue_full": 0, "write_stale": 0, "write_retried": 0, "write_gave_up": 0, "rewritten": 0}

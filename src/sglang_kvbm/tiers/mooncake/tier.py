@@ -3,8 +3,8 @@
 A remote tier: what it holds is asked of the master on its own thread (every
 Mooncake call runs there, a ``LaneExecutor``, lookups' fetches ahead of
 writes). A lookup fetches the leading blocks of its tail that Mooncake holds
-into staging rows, verified there (``store.G4Store.read``); the write-through
-(``writes.G4Writes``) puts every block the host tier registers. It announces
+into staging rows, verified there (``store.MooncakeStore.read``); the write-through
+(``writes.MooncakeWrites``) puts every block the host tier registers. It announces
 nothing: Dynamo's router learns Mooncake's objects from the master
 (``sglang-kvbm mooncake-events``), under the names ``l3_layout`` tells it.
 """
@@ -21,7 +21,7 @@ from sglang_kvbm.core.pages import Page
 from sglang_kvbm.core.ports import TierCounts, TierEvent, TierEventKind
 from sglang_kvbm.tiers.lower import Read
 from sglang_kvbm.tiers.mooncake.probe import unreachable_endpoints
-from sglang_kvbm.tiers.mooncake.writes import G4Writes
+from sglang_kvbm.tiers.mooncake.writes import MooncakeWrites
 from sglang_kvbm.tiers.remote import RemoteReads
 from sglang_kvbm.transfer.lanes import LaneExecutor
 
@@ -36,14 +36,14 @@ class MooncakeTier:
     def __init__(self, store, host, generation: Callable[[], int], *,
                  offload_filter: Optional[FrequencyFilter] = None, lane: Optional[LaneExecutor] = None,
                  observe: Callable[[str, int, float], None] = lambda path, nbytes, seconds: None) -> None:
-        """``store``: a connected-on-demand ``G4Store``; ``host``: the host tier's pool (written through from)."""
+        """``store``: a connected-on-demand ``MooncakeStore``; ``host``: the host tier's pool (written through from)."""
         if host is None:
             raise ValueError("the mooncake tier needs a host tier: it is written through from host rows")
         self.store = store
         self.header_bytes = store.header_bytes
         self.meter = LinearCostMeter()
         self._lane = lane or LaneExecutor("kvbm-g4")
-        self.writes = G4Writes(store, host, self._lane, generation, offload_filter=offload_filter)
+        self.writes = MooncakeWrites(store, host, self._lane, generation, offload_filter=offload_filter)
         # a master lost mid-call takes ~4.5 s to fail one read
         self._reads = RemoteReads(NAME, self._lane, store.header_bytes + store.block_bytes, observe)
         self._emit: Callable[[TierEvent], None] = lambda event: None

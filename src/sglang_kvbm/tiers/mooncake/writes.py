@@ -1,6 +1,6 @@
 """G4 (a Mooncake Store every worker shares) below the local tiers: write-through and verified fetches.
 
-* **Write-through** (:class:`G4Writes`): every block that becomes registered in
+* **Write-through** (:class:`MooncakeWrites`): every block that becomes registered in
   the host tier is put to G4 from its host row (pinned for the write, which only
   it releases), on the G4 thread, as HiCache's ``write_through`` does for its L3.
   Blocks this worker wrote or read are remembered (a bounded set), so a reused
@@ -92,7 +92,7 @@ class _Write(NamedTuple):
     fingerprint: bytes
 
 
-class G4Writes:
+class MooncakeWrites:
     def __init__(self, store, host, lane, generation: Callable[[], int], *, remember: int = 0,
                  offload_filter=None, queue_blocks: int = 0, recheck_s: float = RECHECK_S,
                  max_tries: int = MAX_TRIES) -> None:

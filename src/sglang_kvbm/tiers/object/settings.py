@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import urllib.parse
 
-from sglang_kvbm.base.values import ConfigError, _eg, _unset
+from sglang_kvbm.base.values import ConfigError, Var, _bool, _eg, _positive_int, _unset
 
 # S3's bucket naming rules: 3-63 of a-z, 0-9, '.', '-', a letter or digit first and last (checked with the
 # placeholder standing for the widest rank number likely: a name that fits it fits every rank's)
@@ -57,3 +57,22 @@ def check(config) -> None:
         raise ConfigError("DYN_KVBM_OBJECT_ENABLED=1 needs a host tier (every object transfer is staged in host "
                           "memory, as in KVBM): set DYN_KVBM_CPU_CACHE_GB (e.g. DYN_KVBM_CPU_CACHE_GB=4) or "
                           "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS")
+
+
+VARIABLES: tuple[Var, ...] = (
+    Var("DYN_KVBM_OBJECT_ENABLED", "object_enabled", _bool, "KVBM's G4: the object tier, an S3-compatible bucket "
+         "through NIXL's OBJ backend (default 0)"),
+    Var("DYN_KVBM_OBJECT_BUCKET", "object_bucket", bucket,
+         "the bucket (it must exist); {worker_id} becomes this rank's number", text=True),
+    Var("DYN_KVBM_OBJECT_ENDPOINT", "object_endpoint", endpoint,
+         "the object store's URL, e.g. http://127.0.0.1:9000 (path-style); unset: AWS S3", text=True),
+    Var("DYN_KVBM_OBJECT_REGION", "object_region", text, "the bucket's region", text=True),
+    Var("DYN_KVBM_OBJECT_ACCESS_KEY", "object_access_key", text,
+         "with _SECRET_KEY; unset: the AWS SDK's own credentials", text=True, secret=True),
+    Var("DYN_KVBM_OBJECT_SECRET_KEY", "object_secret_key", text, "with _ACCESS_KEY", text=True,
+         secret=True),
+    Var("DYN_KVBM_OBJECT_WRITE_THROUGH", "object_write_through", _bool,
+         "keep a block in host after it is written to the bucket (default 1; 0: it leaves host)"),
+    Var("DYN_KVBM_OBJECT_NUM_BLOCKS", "object_num_blocks", _positive_int,
+         "blocks the worker remembers being in the bucket (default 100000)"),
+)
