@@ -20,7 +20,7 @@ import requests
 
 from chaos_worker import Worker
 
-HEADER_BYTES = 4096  # a slot's header row at page 16 (disk.format.header_bytes_for)
+HEADER_BYTES = 4096  # a slot's header row at page 16 (tiers.format.header_bytes_for)
 
 
 # -- disk damage ----------------------------------------------------------------------------------

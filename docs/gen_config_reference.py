@@ -57,6 +57,7 @@ def _settings():
 def _accepted(settings) -> dict:
     """What each parser of the table accepts, in words: parser function -> text."""
     values = importlib.import_module("sglang_kvbm.base.values")
+    disk = importlib.import_module("sglang_kvbm.tiers.disk.settings")
     mooncake = importlib.import_module("sglang_kvbm.tiers.mooncake.settings")
     object_tier = importlib.import_module("sglang_kvbm.tiers.object.settings")
     return {
@@ -73,6 +74,7 @@ def _accepted(settings) -> dict:
         values._staging_gib: "a number of GiB above 0 (unset: 1 GiB)",
         values._identity_name: "1-128 of letters, digits and `._:@/+-`",
         values._file_path: "a file path (`~` expanded, made absolute)",
+        disk.onboard: "`measured` or `always` (any case)",
         mooncake.address: "`host:port`, port 1-65535",
         mooncake.metadata_url: "`P2PHANDSHAKE`, or an `http://` or `https://` URL",
         mooncake.protocol: "`tcp` or `rdma` (any case)",

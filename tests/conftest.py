@@ -70,6 +70,11 @@ def needs(feature: str):
 # being recomputed once the live budget (50 ms over the read meter's estimate) has passed. The
 # budget itself is tested in process (test_disk_lanes.py), where stacks take no setting from here.
 os.environ.setdefault("SGLANG_KVBM_LOAD_WAIT_MS", "30000")
+# Likewise whether a disk hit is read at all: the disk's read meter against the model's prefill meter decides,
+# and on a machine busy with other work a read can measure slower than prefill, so a server test would see its
+# disk hits recomputed (a hit figure of 100% fell to 40% under a load of 4). What a server reads is these tests'
+# subject; whether reading pays is test_onboard_policy.py's and test_disk_tier.py's, in process, on pinned inputs.
+os.environ.setdefault("SGLANG_KVBM_DISK_ONBOARD", "always")
 # Two pytest-xdist workers share this machine's cores, each with servers of several processes: PyTorch's
 # OpenMP threads (one per core in every process, spinning between parallel regions) oversubscribe them. One
 # thread per server process: the same server tests ran 16-17% faster side by side (a 2-core VM, two A/B

@@ -48,6 +48,7 @@ def test_block_override_wins_over_size():
         ("DYN_KVBM_DISK_ZEROFILL_FALLBACK", "maybe"),
         ("DYN_KVBM_DISK_DISABLE_O_DIRECT", "2"),
         ("DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER", "yes please"),
+        ("SGLANG_KVBM_DISK_ONBOARD", "sometimes"),
         ("SGLANG_KVBM_READ_STAGING_GB", "0"),
         ("SGLANG_KVBM_READ_STAGING_GB", "some"),
         ("SGLANG_KVBM_READ_STAGING_GB", "inf"),

@@ -1,6 +1,6 @@
 """The object tier (KVBM's G4: object storage through NIXL's OBJ backend): two workers on one bucket.
 
-The bucket is served by an S3 emulator (``moto``'s server, ``testing/s3.py``)
+The bucket is served by an S3 emulator (``moto``'s server, ``tests/harness/s3.py``)
 on 127.0.0.1: real S3 cannot run here; every byte still goes through NIXL's
 real OBJ plugin and the AWS SDK inside it. Each worker is SGLang's default
 tree, pools and allocator with the kvbm linker (``conftest.build_stack``), the

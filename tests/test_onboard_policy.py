@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from sglang_kvbm.config import KvbmConfig
 from sglang_kvbm.core.onboard_policy import LinearCostMeter, OnboardPolicy
 
 BYTES_PER_TOKEN = 1000
@@ -79,6 +80,18 @@ def test_default_probe_rate_is_bounded():
     assert 8 <= policy.probe_every <= 256
     with pytest.raises(ValueError, match="probe_every"):
         OnboardPolicy(BYTES_PER_TOKEN, probe_every=0)
+
+
+def test_always_reads_every_disk_hit_however_slow_the_disk_measures():
+    """SGLANG_KVBM_DISK_ONBOARD=always: the meters are kept (the logs, the break-even), the decision is pinned."""
+    policy = OnboardPolicy(BYTES_PER_TOKEN, always=True)
+    for tokens in (50, 100, 200, 400):
+        policy.prefill.record(tokens, tokens * 100e-6)
+    slow_phase(policy)
+    assert decide(policy, 40) == [True] * 40
+    assert policy.decisions == {"load (always)": 40} and policy.break_even_tokens() == float("inf")
+    assert KvbmConfig.from_env({"SGLANG_KVBM_DISK_ONBOARD": "Always"}).disk_onboard == "always"
+    assert KvbmConfig.from_env({}).disk_onboard == "measured"
 
 
 def test_unmeasured_disk_loads_without_probing():

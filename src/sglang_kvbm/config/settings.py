@@ -172,6 +172,7 @@ class KvbmConfig:
     disk_zerofill_fallback: bool = False
     disk_disable_o_direct: bool = False
     disable_disk_offload_filter: bool = False
+    disk_onboard: str = "measured"
     metrics: bool = False
     metrics_port: int = 6880
     http_host: str = "127.0.0.1"

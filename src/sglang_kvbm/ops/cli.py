@@ -3,7 +3,7 @@
 Building the parser imports no optional package (the tiers' kind modules are
 light by rule: ``tiers.registry``), so ``--help`` and ``--version`` work on the
 base install. Each command checks what it needs when it runs
-(``ops.needs.require``): a missing package is one line on stderr with the
+(``base.needs.require``): a missing package is one line on stderr with the
 ``pip install`` that brings it, and exit status 2.
 """
 

@@ -1,7 +1,7 @@
 """A block as one object in a shared store: the disk tier's slot byte for byte, signed on write, proven on read.
 
 Remote tiers (stores shared by workers) keep each block as a header row
-(``disk.format``: block id, identity, xxh3 of the block, token ids, event
+(``tiers.format``: block id, identity, xxh3 of the block, token ids, event
 identity) followed by the block row. A write signs the header with the
 identity the block was computed under; a read is served only once the header
 decodes, names this identity and this block, and the checksum matches the

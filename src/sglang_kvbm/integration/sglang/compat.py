@@ -3,7 +3,7 @@
 The rest of the library is written against one contract (SGLang 0.5.23's linker
 seam); this module reads what the installed SGLang's classes have and says how
 to meet that contract on it. No version strings are compared here: the range
-itself is ``ops.versions``, checked before this module is imported.
+itself is ``base.versions``, checked before this module is imported.
 
 What was read (paths under ``sglang/srt/mem_cache/``):
 

@@ -41,7 +41,8 @@ def build(config, pools: WorkerPools) -> KindPlan:
         stores.append(DiskStore(probe=found, num_slots=pool_blocks(kv_blocks, share), block_bytes=layout.block_bytes,
                                 fingerprint=fingerprint, page_size=layout.page_size, pin=pin,
                                 siblings=tuple(f for f, _ in identities if f != fingerprint)))
-    policy = OnboardPolicy(bytes_per_token=stores[0].slot_bytes / pools.kv.page_size)
+    policy = OnboardPolicy(bytes_per_token=stores[0].slot_bytes / pools.kv.page_size,
+                           always=config.disk_onboard == "always")
     policy.read.record(4 << 20, (4 << 20) / found.read_bytes_per_s)  # seeded by the probe, refined by real reads
 
     def factory(store: DiskStore, kv: bool):
@@ -56,7 +57,8 @@ def build(config, pools: WorkerPools) -> KindPlan:
         return make
 
     summary = (f"{kv_blocks} blocks ({sum(s.num_slots * s.slot_bytes for s in stores) / GIB:.2f} GiB) in "
-               f"{config.disk_cache_dir}, offload filter {'off' if config.disable_disk_offload_filter else 'on'}")
+               f"{config.disk_cache_dir}, offload filter {'off' if config.disable_disk_offload_filter else 'on'}, "
+               f"onboard {config.disk_onboard}")
     return KindPlan([factory(store, i == 0) for i, store in enumerate(stores)], policy, summary)
 
 

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from sglang_kvbm.base.values import Var, _bool, _directory, _positive_float, _positive_int
+from sglang_kvbm.base.values import ConfigError, Var, _bool, _directory, _positive_float, _positive_int
+
+ONBOARD_MODES = ("measured", "always")
+
+
+def onboard(name: str, raw: str) -> str:
+    """``measured`` (a disk span is read when the read meter says it beats recomputing it) or ``always``."""
+    if raw.lower() not in ONBOARD_MODES:
+        raise ConfigError(f"{name}={raw!r} is not a disk onboard mode: set it to measured (read a disk hit when "
+                          "reading beats recomputing it, as measured) or always (read every disk hit)")
+    return raw.lower()
+
 
 VARIABLES: tuple[Var, ...] = (
     Var("DYN_KVBM_DISK_CACHE_GB", "disk_cache_gb", _positive_float, "disk (G3) tier size in GiB"),
@@ -32,4 +43,7 @@ VARIABLES: tuple[Var, ...] = (
         _bool,
         "write every host block to disk, not only reused ones (shortens SSD life)",
     ),
+    Var("SGLANG_KVBM_DISK_ONBOARD", "disk_onboard", onboard,
+        "measured (default): a disk hit is read when the read meter says reading beats recomputing it; always: every "
+        "disk hit is read (a disk known to be fast, or tests on a busy machine)"),
 )

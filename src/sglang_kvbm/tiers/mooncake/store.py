@@ -12,7 +12,7 @@ a namespaced page (``cache_salt``, LoRA) has a namespaced hash already. One
 object holds a rank's K and V together (SGLang writes ``_k`` and ``_v``):
 :mod:`sglang_kvbm.tiers.mooncake.events` announces it under both names.
 
-An object is the disk tier's slot, byte for byte: a header row (``disk.format``:
+An object is the disk tier's slot, byte for byte: a header row (``tiers.format``:
 block id, identity, xxh3 of the block, token ids, event identity) then the
 block row. Both go out from registered host memory without a copy
 (``batch_put_from_multi_buffers``) and come back the same way into staging rows,
