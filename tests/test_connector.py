@@ -1,4 +1,4 @@
-"""The core and the local backend on plain CPU tensors (no SGLang): copies, tickets, LRU, failures."""
+"""The core and the block manager on plain CPU tensors (no SGLang): copies, tickets, LRU, failures."""
 
 import threading
 from concurrent.futures import ThreadPoolExecutor

@@ -53,7 +53,7 @@ def test_patched_sglang_serves_host_hits_with_stock_output(model_dir, patched_tr
     # --enable-kvbm became SGLang's linker on its default tree.
     assert "Tree cache initialized: source=default impl=UnifiedRadixCache" in text
     assert "'unified_cache_external_linker_config': {'linker': 'KvbmLinker'" in text
-    assert "kvbm: local backend" in text
+    assert "kvbm: page 4 tokens" in text
     assert results[-1]["meta_info"]["cached_tokens_details"]["host"] == 596
     for ours, name in zip(results, ("A", "B", "C", "A2")):
         assert same_output(ours, stock_results[name]), name

@@ -1,4 +1,4 @@
-"""The local backend's CUDA path: pinned host slab, per-worker streams, copies ordered by events.
+"""The block manager's CUDA path: pinned host slab, per-worker streams, copies ordered by events.
 
 Runs only where CUDA is; skipped elsewhere. It needs torch and this package, not
 SGLang (the GPU machines this project gets have no SGLang): the "device pool" is

@@ -24,15 +24,16 @@ from typing import Hashable, Optional, Sequence
 from sglang_kvbm.core.hit_rate import DEFAULT_WINDOW, HitRateWindow
 from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.ports import BlockManager, EventSink, LoadPlan, StoreRequest, TierCounts, TierEventKind
+from sglang_kvbm.core.tiers import DEVICE, DISK, HOST
 
 logger = logging.getLogger(__name__)
 
 
 # KVBM's counter names for the per-tier counts below: (source tier, tier) of an offload, the tier of an onboard.
 # (Names of tiers further down belong to them: ``tiers/<name>/kind.py``'s ``metrics``.)
-KVBM_OFFLOADS = {("device", "host"): "offload_blocks_d2h", ("host", "disk"): "offload_blocks_h2d",
-                 ("device", "disk"): "offload_blocks_d2d"}
-KVBM_ONBOARDS = {"host": "onboard_blocks_h2d", "disk": "onboard_blocks_d2d"}
+KVBM_OFFLOADS = {(DEVICE.name, HOST.name): "offload_blocks_d2h", (HOST.name, DISK.name): "offload_blocks_h2d",
+                 (DEVICE.name, DISK.name): "offload_blocks_d2d"}
+KVBM_ONBOARDS = {HOST.name: "onboard_blocks_h2d", DISK.name: "onboard_blocks_d2d"}
 
 
 @dataclasses.dataclass
@@ -55,11 +56,11 @@ class ConnectorStats:
         return self.offload_blocks[f"{source}->{tier}"]
 
     # KVBM's counters, read from the per-tier counts
-    offload_blocks_d2h = property(lambda self: self.offloaded("device", "host"))
-    offload_blocks_h2d = property(lambda self: self.offloaded("host", "disk"))
-    offload_blocks_d2d = property(lambda self: self.offloaded("device", "disk"))
-    onboard_blocks_h2d = property(lambda self: self.onboard_blocks["host"])
-    onboard_blocks_d2d = property(lambda self: self.onboard_blocks["disk"])
+    offload_blocks_d2h = property(lambda self: self.offloaded(DEVICE.name, HOST.name))
+    offload_blocks_h2d = property(lambda self: self.offloaded(HOST.name, DISK.name))
+    offload_blocks_d2d = property(lambda self: self.offloaded(DEVICE.name, DISK.name))
+    onboard_blocks_h2d = property(lambda self: self.onboard_blocks[HOST.name])
+    onboard_blocks_d2d = property(lambda self: self.onboard_blocks[DISK.name])
 
     def as_dict(self) -> dict:
         """Every count, per tier, and KVBM's names beside them (the snapshot ``/stats`` and the metrics read)."""

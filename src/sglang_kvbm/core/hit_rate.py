@@ -14,6 +14,8 @@ import collections
 from collections import OrderedDict
 from typing import Hashable, Mapping
 
+from sglang_kvbm.core.tiers import DISK, HOST
+
 DEFAULT_WINDOW = 1000
 
 
@@ -50,11 +52,11 @@ class HitRateWindow:
 
     @property
     def host_rate(self) -> float:
-        return self.rate("host")
+        return self.rate(HOST.name)
 
     @property
     def disk_rate(self) -> float:
-        return self.rate("disk")
+        return self.rate(DISK.name)
 
     def clear(self) -> None:
         self._entries.clear()

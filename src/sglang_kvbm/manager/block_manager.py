@@ -32,7 +32,7 @@ from sglang_kvbm.core.onboard_policy import OnboardPolicy
 from sglang_kvbm.core.pages import Page
 from sglang_kvbm.core.ports import PollResult, StoreRequest, TierCounts, TierEvent, TierEventKind
 from sglang_kvbm.base.values import GIB
-from sglang_kvbm.core.tiers import Tier
+from sglang_kvbm.core.tiers import DISK, HOST
 from sglang_kvbm.tiers.host.pool import HostBlockPool
 from sglang_kvbm.manager.lookups import LoadPlan, TierReads
 from sglang_kvbm.tiers.lower import LowerTier
@@ -79,11 +79,11 @@ class LocalBlockManager:
         self._closed = False
         built = [tier(self) if callable(tier) else tier for tier in tiers]
         self.tiers: dict[str, LowerTier] = {tier.name: tier for tier in built}
-        if host_blocks < 0 or (host_blocks == 0 and "disk" not in self.tiers):
+        if host_blocks < 0 or (host_blocks == 0 and DISK.name not in self.tiers):
             raise ValueError(f"need a host tier (host_blocks={host_blocks}) or a disk tier")
         for tier in built:
             tier.bind(self._events.append)
-        self.offloads = Offloads(layout, self.host, self.tiers.get("disk"), self._events.append, self.observe,
+        self.offloads = Offloads(layout, self.host, self.tiers.get(DISK.name), self._events.append, self.observe,
                                  executor)
         self.staging: Optional[ReadStaging] = None
         if built:
@@ -121,7 +121,7 @@ class LocalBlockManager:
             self.staging.collect()
         if self.tiers:
             for event in list(self._events):  # every block the host tier registered is offered below it
-                if event.kind is TierEventKind.STORED and event.tier == "host":
+                if event.kind is TierEventKind.STORED and event.tier == HOST.name:
                     self._offer(event.blocks)
             for tier in self.tiers.values():
                 tier.collect()
@@ -152,7 +152,7 @@ class LocalBlockManager:
     # -- the rest of the port --------------------------------------------------------------
 
     def counts(self) -> tuple[TierCounts, ...]:
-        counts = [TierCounts("host", len(self.host), self.host.capacity)] if self.host is not None else []
+        counts = [TierCounts(HOST.name, len(self.host), self.host.capacity)] if self.host is not None else []
         counts += [c for c in (tier.counts() for tier in self.tiers.values()) if c is not None]
         return tuple(counts)
 
@@ -187,7 +187,7 @@ class LocalBlockManager:
         if self.host is not None:
             metas = self.host.metas()
             if metas:
-                self._events.append(TierEvent(TierEventKind.REMOVED, "host", tuple(metas), None, Tier.HOST))
+                self._events.append(TierEvent(TierEventKind.REMOVED, HOST.name, tuple(metas), None, HOST.medium))
         for tier in self.tiers.values():
             tier.drop()
         self.offloads.reset(keep_tickets=True)

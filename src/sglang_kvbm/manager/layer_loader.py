@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Callable, Optional, Sequence
 
+from sglang_kvbm.core.tiers import HOST
 from sglang_kvbm.manager.block_manager import LocalBlockManager
 from sglang_kvbm.transfer import copies
 
@@ -111,7 +112,7 @@ class LayerLoader:
                     copies.load_layer(pool_layout, batch, layer)
                 self._counter.complete(index, layer)
         if not layout.is_cuda:  # on CUDA this is the enqueue time, not the copy's: not a transfer figure
-            nbytes = sum(batch.blocks["host"] * pool_layout.page_bytes for pool_layout, batch in batches)
+            nbytes = sum(batch.blocks[HOST.name] * pool_layout.page_bytes for pool_layout, batch in batches)
             self._observe("onboard_h2d", nbytes, time.perf_counter() - started)
 
     def _copy_batches(self, loads, *, record: bool) -> list:

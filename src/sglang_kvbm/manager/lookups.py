@@ -26,6 +26,7 @@ from typing import Callable, Optional, Sequence
 
 from sglang_kvbm._blocks import held_by
 from sglang_kvbm.core.identity import BlockId
+from sglang_kvbm.core.tiers import HOST
 from sglang_kvbm.transfer.indexes import index
 
 logger = logging.getLogger(__name__)
@@ -51,10 +52,10 @@ class LoadPlan:
     @property
     def by_tier(self) -> dict[str, int]:
         if not self.staged_ids:  # the usual case: host alone
-            return {"host": len(self.host_ids)} if self.host_ids else {}
+            return {HOST.name: len(self.host_ids)} if self.host_ids else {}
         counts = collections.Counter(self.staged_from)
         if self.host_ids:
-            counts["host"] = len(self.host_ids)
+            counts[HOST.name] = len(self.host_ids)
         return dict(counts)
 
     @property
@@ -128,7 +129,7 @@ class TierReads:
                 below = seen
             if self._policy is not None and not self._policy.disk_pays(below * self._layout.page_size):
                 hit, below = host_run, 0
-        found = {"host": hit - below} if hit - below else {}  # a plain dict: the usual case is host alone
+        found = {HOST.name: hit - below} if hit - below else {}  # a plain dict: the usual case is host alone
         if below:
             wanted = list(compress(block_ids[:hit], map(operator.not_, host)))
             sources = collections.Counter(map(self._staging.source.get, wanted))  # staged ones: their tier's name
@@ -247,7 +248,7 @@ class TierReads:
 
         parts = []
         if plan.host_ids:
-            parts.append((self._host.slab, plan.host_rows, select(plan.host_positions), "host"))
+            parts.append((self._host.slab, plan.host_rows, select(plan.host_positions), HOST.name))
         if plan.staged_ids:
             parts.append((self._staging.pool.slab, plan.staged_rows, select(plan.staged_positions), "staging"))
         return parts

@@ -37,21 +37,20 @@ from typing import Callable, Optional, Sequence
 from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.pages import Page
 from sglang_kvbm.core.ports import StoreRequest, TierEvent, TierEventKind
-from sglang_kvbm.core.tiers import Tier
+from sglang_kvbm.core.tiers import DEVICE, DISK, HOST, TierInfo
 from sglang_kvbm.transfer import copies
 from sglang_kvbm.transfer.lanes import LaneExecutor
 
 logger = logging.getLogger(__name__)
 _parent_id = operator.attrgetter("parent_id")
-MEDIA = {"host": Tier.HOST, "disk": Tier.DISK}  # the KV events' medium of what this module changes
 
 
 @dataclasses.dataclass(frozen=True)
 class _Job:
-    """A copy down: device -> host (``target`` "host") or device -> disk (``target`` "disk")."""
+    """A copy down: device -> host (``target`` HOST) or device -> disk (``target`` DISK)."""
 
     ticket: int
-    target: str
+    target: TierInfo
     ids: tuple[BlockId, ...]
     slots: tuple  # host rows, or disk reservations
     generation: int
@@ -88,9 +87,9 @@ class Offloads:
         self._done: list[tuple[int, bool]] = []
         self._generation = 0
 
-    def _removed(self, tier: str, metas: Sequence[Page]) -> None:
+    def _removed(self, tier: TierInfo, metas: Sequence[Page]) -> None:
         if metas:
-            self._emit(TierEvent(TierEventKind.REMOVED, tier, tuple(metas), None, MEDIA[tier]))
+            self._emit(TierEvent(TierEventKind.REMOVED, tier.name, tuple(metas), None, tier.medium))
 
     def store(self, request: StoreRequest) -> int:
         ticket = next(self._tickets)
@@ -101,23 +100,23 @@ class Offloads:
         todo = top.missing(ids)  # positions not held (nor on their way) where the pages go first
         if todo and host is not None:
             rows, evicted = host.reserve([ids[i] for i in todo])
-            self._removed("host", evicted)
+            self._removed(HOST, evicted)
             if rows:
                 positions, todo = todo[: len(rows)], todo[len(rows) :]
                 future: Future = Future()
                 self._queued.append((future, request, positions, rows, self._generation))
-                self._submit(_Job(ticket, "host", tuple(map(ids.__getitem__, positions)), tuple(rows), self._generation,
+                self._submit(_Job(ticket, HOST, tuple(map(ids.__getitem__, positions)), tuple(rows), self._generation,
                                   future))
         if todo and disk is not None:
             todo = list(map(todo.__getitem__, disk.missing(list(map(ids.__getitem__, todo)))))
             reserved, evicted = disk.reserve(list(map(ids.__getitem__, todo)))
-            self._removed("disk", evicted)
+            self._removed(DISK, evicted)
             if reserved:
                 positions, todo = todo[: len(reserved)], todo[len(reserved) :]
                 future = self._disk.writer.submit_urgent(
                     copies.device_to_disk, self.layout, self._writer_stream, disk, request, positions, reserved
                 )
-                self._submit(_Job(ticket, "disk", tuple(r.block_id for r in reserved), tuple(reserved),
+                self._submit(_Job(ticket, DISK, tuple(r.block_id for r in reserved), tuple(reserved),
                                   self._generation, future))
         if todo:
             self.stats.blocks_not_stored_no_room += len(todo)
@@ -171,10 +170,10 @@ class Offloads:
     def _finish_store(self, job: _Job) -> bool:
         """Register what a device -> host/disk copy wrote; True when all of its pages are held now."""
         error = _error_of(job.future)
-        pool = self.host if job.target == "host" else self.disk
+        pool = self.host if job.target is HOST else self.disk
         if job.generation != self._generation or error is not None:
             if error is not None and error is not _CANCELLED:
-                logger.error("kvbm: device->%s copy of %d blocks failed: %r", job.target, len(job.ids), error)
+                logger.error("kvbm: device->%s copy of %d blocks failed: %r", job.target.name, len(job.ids), error)
                 self.stats.store_failures += 1
             self._abort(job)
             return False
@@ -184,17 +183,17 @@ class Offloads:
         if reachable < len(metas):  # a page whose parent is held nowhere below could never be hit
             self.stats.blocks_dropped_unreachable += len(metas) - reachable
         keep = metas[:reachable]
-        if job.target == "host":
+        if job.target is HOST:
             pool.abort(job.ids[reachable:], job.slots[reachable:])
             pool.commit(keep, job.slots[:reachable])
             self._observe("d2h", reachable * self.layout.page_bytes, seconds)
-            self._emit(TierEvent(TierEventKind.STORED, "host", tuple(keep), "device", Tier.HOST))
+            self._emit(TierEvent(TierEventKind.STORED, HOST.name, tuple(keep), DEVICE.name, HOST.medium))
         else:
             headers = result[1]
             self.disk.abort(job.slots[reachable:])
             registered = self.disk.commit(job.slots[:reachable], headers[:reachable])
             self._observe("d2d", reachable * self.disk.slot_bytes, seconds)
-            self._emit(TierEvent(TierEventKind.STORED, "disk", tuple(registered), "device", Tier.DISK))
+            self._emit(TierEvent(TierEventKind.STORED, DISK.name, tuple(registered), DEVICE.name, DISK.medium))
             reachable = len(registered)
         return reachable == len(metas)
 
@@ -213,7 +212,7 @@ class Offloads:
         return len(metas)
 
     def _abort(self, job: _Job) -> None:
-        if job.target == "host":
+        if job.target is HOST:
             self.host.abort(job.ids, job.slots)
         else:
             self.disk.abort(job.slots)

@@ -13,6 +13,7 @@ from typing import Optional
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from sglang_kvbm.config import KvbmConfig
+from sglang_kvbm.core.tiers import DEVICE, DISK, HOST
 from sglang_kvbm.observe.http_server import KvbmHttpServer, json_reply
 from sglang_kvbm.observe.metrics import KvbmMetrics
 from sglang_kvbm.tiers import registry
@@ -30,20 +31,20 @@ def stats_of(linker) -> dict:
         "in_flight": len(manager.in_flight()) + sum(len(m.in_flight()) for m in sidecars.values()),
         "events": {"held": linker.orderer.held(), "held_total": linker.orderer.held_total, "dropped": linker.orderer.dropped},
         "offloads_refused_outside_insert": linker.offloads_refused_outside_insert,
-        "block_bytes": {"host": block, **{name: tier.header_bytes + block for name, tier in manager.tiers.items()}},
-        "chain": ["host", *manager.tiers],
+        "block_bytes": {HOST.name: block, **{name: tier.header_bytes + block for name, tier in manager.tiers.items()}},
+        "chain": [HOST.name, *manager.tiers],
     }
     if sidecars:  # hybrid models: each sidecar pool's tiers (sliding-window pages, Mamba states), by pool
         extra["sidecars"] = {name: {"tiers": {c.tier: (c.blocks, c.capacity) for c in m.counts()},
                                     "block_bytes": m.layout.block_bytes, "local": m.stats}
                              for name, m in sidecars.items()}
     if manager.host is not None:
-        extra["host"] = manager.host.accounting()
+        extra[HOST.name] = manager.host.accounting()
     for name, tier in manager.tiers.items():  # each tier below host, under its name
         extra[name] = tier.stats
     if linker.cache is not None:
         allocator = linker.cache.token_to_kv_pool_allocator
-        extra["device"] = {
+        extra[DEVICE.name] = {
             "total": allocator.size,
             "available": allocator.available_size(),
             "evictable": linker.cache.evictable_size(),
@@ -69,7 +70,7 @@ def metrics_of(snapshot: dict) -> dict:
         "kvbm_host_cache_hit_rate": snapshot.get("host_hit_rate", 0.0),
         "kvbm_disk_cache_hit_rate": snapshot.get("disk_hit_rate", 0.0),
         "tiers": tiers,
-        "invalidated": snapshot.get("disk", {}).get("invalidated", {}),
+        "invalidated": snapshot.get(DISK.name, {}).get("invalidated", {}),
         "per_tier": {  # every tier by name: what it served, took, lost, and (remote tiers) was asked for in vain
             "onboard_blocks": stats.get("onboard_blocks", {}),
             "offload_blocks": stats.get("offload_blocks", {}),

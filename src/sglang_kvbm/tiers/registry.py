@@ -9,7 +9,8 @@ told of it (SGLang's L3 layout, Dynamo's registration) is said by
 ``integration`` from :attr:`KindPlan.names`.
 
 A lookup walks the chain in :data:`KINDS` order after host: the nearest tier
-that serves a block serves it. Adding a tier is a folder plus its line here.
+that serves a block serves it. Adding a tier is a folder plus its line here (and its row, name to
+medium and KVBM level, in ``core.tiers``).
 
 The command line (to build its parser) and ``doctor`` import every kind, on the
 base install too: a ``kind`` module imports only the standard library and this

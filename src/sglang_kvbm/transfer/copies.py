@@ -32,6 +32,7 @@ import torch
 
 from sglang_kvbm.core.pages import Page
 from sglang_kvbm.core.ports import StoreRequest
+from sglang_kvbm.core.tiers import HOST
 from sglang_kvbm.transfer.indexes import index, run_start, to_device
 from sglang_kvbm.transfer.kv_layout import PagedKvLayout
 
@@ -108,7 +109,7 @@ class LoadBatch:
 def load_batch(layout: PagedKvLayout, parts: Sequence[tuple[torch.Tensor, Sequence[int], torch.Tensor, str]]) -> LoadBatch:
     """Merge ``(slab, rows, device pages, source)`` parts into one batch, one entry per slab."""
     by_slab: dict[int, tuple[torch.Tensor, list, list]] = {}
-    blocks = {"host": 0, "staging": 0}
+    blocks = {HOST.name: 0, "staging": 0}
     for slab, rows, pages, tier in parts:
         if not len(rows):
             continue

@@ -34,7 +34,11 @@ import json
 import os
 import sys
 
+from sglang_kvbm.core.tiers import DEVICE, DISK, HOST
+
 NAMESPACE_ENDPOINT = "dynamo.backend.generate"  # where dynamo.sglang serves (namespace.component.endpoint)
+# Each tier (as ``/tiers`` names it) -> the field of ``get_overlap_scores``' rows that counts its blocks
+OVERLAP_FIELDS = {DEVICE.name: "device_blocks", HOST.name: "host_pinned_blocks", DISK.name: "disk_blocks"}
 
 
 def tiers_of(scores: dict) -> dict:
@@ -42,10 +46,9 @@ def tiers_of(scores: dict) -> dict:
     block = int(scores["block_size"])
     workers: dict[str, dict[str, int]] = {}
     for row in scores.get("workers", []):
-        mine = workers.setdefault(str(row["worker_id"]), {"device": 0, "host": 0, "disk": 0})
-        mine["device"] += block * int(row.get("device_blocks") or 0)
-        mine["host"] += block * int(row.get("host_pinned_blocks") or 0)
-        mine["disk"] += block * int(row.get("disk_blocks") or 0)
+        mine = workers.setdefault(str(row["worker_id"]), dict.fromkeys(OVERLAP_FIELDS, 0))
+        for tier, field in OVERLAP_FIELDS.items():
+            mine[tier] += block * int(row.get(field) or 0)
     return {"block_size": block, "workers": workers}
 
 

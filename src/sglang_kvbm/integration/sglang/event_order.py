@@ -29,9 +29,11 @@ from typing import Iterable, Optional
 
 from sglang.srt.disaggregation.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
+from sglang_kvbm.core.tiers import DEVICE
 from sglang_kvbm.integration.sglang.compat import block_stored, event_lora_name
 
 logger = logging.getLogger(__name__)
+_DEVICE = DEVICE.medium.value  # the tree's own events: this medium, or none at all
 
 
 class EventOrderer:
@@ -70,7 +72,7 @@ class EventOrderer:
 
     def _store(self, event: BlockStored, out: list) -> None:
         parent = event.parent_block_hash
-        if parent is not None and _medium(event) != "GPU" and not self.known(parent):
+        if parent is not None and _medium(event) != _DEVICE and not self.known(parent):
             self._hold(parent, event)
             return
         out.append(event)
@@ -161,7 +163,7 @@ class EventOrderer:
 def _medium(event) -> str:
     medium: Optional[object] = event.medium
     if medium is None:
-        return "GPU"
+        return _DEVICE
     return getattr(medium, "value", medium)
 
 

@@ -8,6 +8,7 @@ from typing import Optional, TextIO
 
 from sglang.srt.disaggregation.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
+from sglang_kvbm.core.tiers import DEVICE
 from sglang_kvbm.integration.sglang.event_stream import replay, subscribe
 
 
@@ -29,7 +30,7 @@ class TierTally:
         for event in batch.events:
             self.events += 1
             medium = getattr(event, "medium", None)
-            medium = str(getattr(medium, "value", medium) or "GPU")
+            medium = str(getattr(medium, "value", medium) or DEVICE.medium.value)
             if isinstance(event, BlockStored):
                 self.blocks.setdefault(medium, set()).update(event.block_hashes)
                 parent = "root" if event.parent_block_hash is None else f"{event.parent_block_hash:#x}"

@@ -19,6 +19,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 
 from sglang_kvbm.core.connector import KvbmConnector
+from sglang_kvbm.core.tiers import DEVICE, DISK, HOST
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +30,7 @@ class TierTokens:
     beyond: tuple = dataclasses.field(default=(), compare=False, repr=False)  # block ids past ``disk``: remote tiers' to answer
 
     def counts(self) -> dict:
-        return {"device": self.device, "host": self.host, "disk": self.disk}
+        return {DEVICE.name: self.device, HOST.name: self.host, DISK.name: self.disk}
 
 
 def tier_tokens(cache, connector: KvbmConnector, token_ids, *, extra_key=None, cache_salt=None,

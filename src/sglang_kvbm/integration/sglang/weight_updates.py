@@ -37,6 +37,8 @@ import functools
 import logging
 from typing import Any, Optional
 
+from sglang_kvbm.core.tiers import HOST
+
 logger = logging.getLogger(__name__)
 
 UPDATER = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
@@ -58,7 +60,7 @@ def weights_replaced(linker: Any, how: str) -> None:
     for manager in managers:
         for tier in manager.tiers.values():
             tier.rekey(how)
-    names = ", ".join(["host", *linker.manager.tiers])
+    names = ", ".join([HOST.name, *linker.manager.tiers])
     logger.warning("kvbm: weights replaced (%s): %s tiers dropped; those below host moved to an identity of this run "
                    "that no server started from the model files reads (a restart starts them cold)", how, names)
 

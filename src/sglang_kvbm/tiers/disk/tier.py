@@ -30,14 +30,14 @@ from sglang_kvbm.core.offload_filter import FrequencyFilter
 from sglang_kvbm.core.onboard_policy import LinearCostMeter
 from sglang_kvbm.core.pages import Page
 from sglang_kvbm.core.ports import TierCounts, TierEvent, TierEventKind
-from sglang_kvbm.core.tiers import Tier
+from sglang_kvbm.core.tiers import DISK, HOST
 from sglang_kvbm.tiers.disk.store import DiskStore
 from sglang_kvbm.tiers.lower import Read
 from sglang_kvbm.transfer import copies
 from sglang_kvbm.transfer.lanes import LaneExecutor
 
 logger = logging.getLogger(__name__)
-NAME = "disk"
+NAME = DISK.name
 
 
 class _Write(NamedTuple):
@@ -56,7 +56,7 @@ class _ReadState(NamedTuple):
 
 class DiskTier:
     name = NAME
-    medium = Tier.DISK
+    medium = DISK.medium
     indexed = True
 
     def __init__(self, store: DiskStore, host, *, offload_filter: Optional[FrequencyFilter] = None,
@@ -209,7 +209,7 @@ class DiskTier:
         headers, seconds = write.future.result()
         registered = self.store.commit(write.reserved, headers)
         self._observe("h2d", len(registered) * self.store.slot_bytes, seconds)
-        self._emit(TierEvent(TierEventKind.STORED, NAME, tuple(registered), "host", Tier.DISK))
+        self._emit(TierEvent(TierEventKind.STORED, NAME, tuple(registered), HOST.name, DISK.medium))
 
     def in_flight(self) -> list[Future]:
         return [w.future for w in self._writes]
@@ -225,7 +225,7 @@ class DiskTier:
 
     def _removed(self, metas: Sequence[Page]) -> None:
         if metas:
-            self._emit(TierEvent(TierEventKind.REMOVED, NAME, tuple(metas), None, Tier.DISK))
+            self._emit(TierEvent(TierEventKind.REMOVED, NAME, tuple(metas), None, DISK.medium))
 
     def _announce_restored(self, metas: list[Page]) -> None:
         """Disk blocks found at start-up, announced parents first (an orphan would be dropped by the router)."""
@@ -239,7 +239,7 @@ class DiskTier:
             announced.append(meta)
             frontier.extend(by_parent.pop(meta.event_hash, []))
         if announced:
-            self._emit(TierEvent(TierEventKind.STORED, NAME, tuple(announced), None, Tier.DISK))
+            self._emit(TierEvent(TierEventKind.STORED, NAME, tuple(announced), None, DISK.medium))
 
     # -- identity and life ------------------------------------------------------------------
 

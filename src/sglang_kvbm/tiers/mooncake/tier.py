@@ -19,18 +19,19 @@ from sglang_kvbm.core.offload_filter import FrequencyFilter
 from sglang_kvbm.core.onboard_policy import LinearCostMeter
 from sglang_kvbm.core.pages import Page
 from sglang_kvbm.core.ports import TierCounts, TierEvent, TierEventKind
+from sglang_kvbm.core.tiers import HOST, MOONCAKE
 from sglang_kvbm.tiers.lower import Read
 from sglang_kvbm.tiers.mooncake.probe import unreachable_endpoints
 from sglang_kvbm.tiers.mooncake.writes import MooncakeWrites
 from sglang_kvbm.tiers.remote import RemoteReads
 from sglang_kvbm.transfer.lanes import LaneExecutor
 
-NAME = "mooncake"
+NAME = MOONCAKE.name
 
 
 class MooncakeTier:
     name = NAME
-    medium = None  # Dynamo's router learns these blocks from the master
+    medium = MOONCAKE.medium  # None: Dynamo's router learns these blocks from the master
     indexed = False
 
     def __init__(self, store, host, generation: Callable[[], int], *,
@@ -114,7 +115,7 @@ class MooncakeTier:
         self.writes.collect()
         stored, self.writes.stored = self.writes.stored, []
         if stored:  # counted, not announced (medium None)
-            self._emit(TierEvent(TierEventKind.STORED, NAME, tuple(stored), "host"))
+            self._emit(TierEvent(TierEventKind.STORED, NAME, tuple(stored), HOST.name))
 
     def in_flight(self) -> list[Future]:
         return self.writes.futures()

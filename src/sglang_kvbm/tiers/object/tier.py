@@ -30,13 +30,13 @@ from sglang_kvbm.core.identity import BlockId, rekeyed
 from sglang_kvbm.core.onboard_policy import LinearCostMeter
 from sglang_kvbm.core.pages import Page
 from sglang_kvbm.core.ports import TierCounts, TierEvent, TierEventKind
-from sglang_kvbm.core.tiers import Tier
+from sglang_kvbm.core.tiers import HOST, OBJECT
 from sglang_kvbm.tiers.lower import Read
 from sglang_kvbm.tiers.remote import RemoteReads
 from sglang_kvbm.transfer.lanes import LaneExecutor
 
 logger = logging.getLogger(__name__)
-NAME = "object"
+NAME = OBJECT.name
 QUEUE_BYTES = 1 << 30  # host rows pinned for writes waiting on the tier's thread, at most
 MISSING, THERE, PUT = range(3)  # a block's fate in a write: not in the bucket, there already, put now
 
@@ -67,7 +67,7 @@ class _Write(NamedTuple):
 
 class ObjectTier:
     name = NAME
-    medium = None  # no router scores object storage
+    medium = OBJECT.medium  # None: no router scores object storage
     indexed = False
 
     def __init__(self, store, host, generation: Callable[[], int], *, write_through: bool = True,
@@ -207,11 +207,11 @@ class ObjectTier:
             return
         self._learn([m.block_id for m in held])
         if put:
-            self._emit(TierEvent(TierEventKind.STORED, NAME, tuple(put), "host"))
+            self._emit(TierEvent(TierEventKind.STORED, NAME, tuple(put), HOST.name))
         if not self.write_through:  # KVBM's DYN_KVBM_OBJECT_WRITE_THROUGH=0: the host copy goes
             removed = self._host.remove([m.block_id for m in held])
             if removed:
-                self._emit(TierEvent(TierEventKind.REMOVED, "host", tuple(removed), None, Tier.HOST))
+                self._emit(TierEvent(TierEventKind.REMOVED, HOST.name, tuple(removed), None, HOST.medium))
 
     def in_flight(self) -> list[Future]:
         return [w.future for w in self._writes]
