@@ -303,3 +303,46 @@ def test_custom_insert_of_pages_cached_meanwhile_frees_each_duplicate_once(stack
     assert stack.allocator.available_size() == available
     free = stack.allocator.free_pages
     assert free.numel() == torch.unique(free).numel(), "a page is in the free list twice"
+
+
+def test_the_cache_wrappers_reach_the_linker_through_its_methods_only():
+    """``cache_wrappers`` brackets the insert, reads the staged blocks and joins the events through the linker's
+    methods, in the tree's own order, and touches nothing else of it (a linker with no other attribute serves)."""
+    from types import SimpleNamespace
+
+    from sglang_kvbm.integration.sglang.cache_wrappers import wrap_cache
+
+    calls = []
+
+    class PublicOnly:
+        __slots__ = ()
+        page_size = 4
+
+        def begin_insert(self, key, priority):
+            calls.append(("begin", key, priority))
+
+        def end_insert(self):
+            calls.append(("end",))
+
+        def staged_blocks(self, rid):
+            calls.append(("staged", rid))
+            return 3
+
+        def join_tier_events(self, events):
+            calls.append(("join", events))
+            return events + ["tier"]
+
+    def insert(params):
+        calls.append(("insert",))
+        raise RuntimeError("the tree's insert failed")
+
+    cache = SimpleNamespace(insert=insert, init_load_back=lambda params: "loaded", take_events=lambda: ["tree"])
+    wrap_cache(PublicOnly(), cache)
+    with pytest.raises(RuntimeError):
+        cache.insert(SimpleNamespace(key="k", priority=None))
+    req = SimpleNamespace(rid="r", storage_hit_length=0, storage_hit_start=5)
+    assert cache.init_load_back(SimpleNamespace(req=req)) == "loaded"
+    assert (req.storage_hit_length, req.storage_hit_start) == (12, None)
+    assert cache.init_load_back(SimpleNamespace(req=None)) == "loaded"
+    assert cache.take_events() == ["tree", "tier"]
+    assert calls == [("begin", "k", None), ("insert",), ("end",), ("staged", "r"), ("join", ["tree"])]

@@ -43,6 +43,7 @@ class LoadBatches:
         return bool(self._queued)
 
     def queued_plan(self, rid: str):
+        """The plan of ``rid``'s load queued for the next forward, or None."""
         queued = self._queued.get(rid)
         return None if queued is None else queued[0]
 
@@ -80,6 +81,7 @@ class LoadBatches:
         return len(self._landed)
 
     def pop_landed(self) -> list[str]:
+        """The requests of the oldest batch :meth:`landed` counted."""
         return self._landed.popleft()
 
     def finish(self, index: int) -> bool:

@@ -6,6 +6,10 @@
   SGLang reports its L3 hits (``cached_tokens_details["storage"]``);
 * ``take_events``: this library's tiers' events join the tree's, on its one
   stream, in an order Dynamo's indexer accepts.
+
+The wrappers reach the linker only through its methods (``begin_insert`` /
+``end_insert``, ``staged_blocks``, ``join_tier_events``), whose docstrings say
+what each costs the scheduler thread.
 """
 
 from __future__ import annotations
@@ -19,29 +23,25 @@ def wrap_cache(linker, cache) -> None:
 
     @functools.wraps(insert)
     def insert_with_key(params):
-        linker._insert = (params.key, params.priority or 0) if params.key is not None else None
+        linker.begin_insert(params.key, params.priority)
         try:
             return insert(params)
         finally:
-            linker._insert = None
+            linker.end_insert()
 
     @functools.wraps(init_load_back)
     def init_load_back_reporting_disk(params):
         result = init_load_back(params)
         req = params.req
-        plan = linker.loads.queued_plan(req.rid) if req is not None else None
-        if plan is not None and plan.staged_blocks:
-            req.storage_hit_length = plan.staged_blocks * linker.page_size
+        staged = linker.staged_blocks(req.rid) if req is not None else 0
+        if staged:
+            req.storage_hit_length = staged * linker.page_size
             req.storage_hit_start = None
         return result
 
     @functools.wraps(take_events)
     def take_all_events():
-        events = take_events()
-        if not linker._events_on:  # the step's check_hicache_events polled the copies already
-            return events
-        linker.connector.poll()  # copies that landed during the step publish with it
-        return linker.orderer.order(events + linker.sink.take())
+        return linker.join_tier_events(take_events())
 
     cache.insert = insert_with_key
     cache.init_load_back = init_load_back_reporting_disk

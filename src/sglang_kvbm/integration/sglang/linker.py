@@ -1,30 +1,12 @@
 """``KvbmLinker``: KVBM's host and disk tiers behind SGLang's external-cache linker seam.
 
-SGLang's default tree (``UnifiedRadixCache``) drives it through
-``UnifiedCacheLinkerWrapper``:
-
-* ``lookup`` (at admission): how many pages of the device-uncached tail the
-  tiers hold; disk-resident ones start reading into verified staging at once.
-  The wrapper intersects the answer across attention ranks.
-* ``load`` (admission, after slots were allocated): pins every block, or
-  refuses (the request recomputes the span); disk bytes are verified first.
-  Where SGLang cannot take a refusal (0.5.21, ``compat``), ``lookup`` pins what
-  it reports instead (``lookup_pins``), a failed copy is copied again before
-  the forward reads it (``LayerCounter.redo``), and finished batches are
-  reported by ``num_completed_loads`` / ``pop_completed_load``.
-  Every attention rank answers the same (SGLang requires one branch on all
-  ranks): a rank's refusal is reduced across them before ``load`` returns.
-  So do pipeline stages, on hits, loads and offloads alike (``ranks.Stages``).
-* ``start_layer_wise_loading`` / ``finish_layer_wise_loading``: the batch's
-  copies run on the loader thread one layer at a time while the forward waits
-  only for the layer it reads.
-* ``offload`` (the tree's write-through, once per new node): device pages are
-  copied down on a worker; ``num_completed_offloads`` / ``pop_completed_offload``
-  report them in order, and the tree unlocks the node.
-
-The tree publishes no events for an external store: this linker puts its
-tiers' ``CPU_PINNED``/``DISK`` events on the cache's event stream itself (see
-``hooks`` for how it reaches the cache).
+SGLang's default tree (``UnifiedRadixCache``) drives it through ``UnifiedCacheLinkerWrapper``; each method
+of the contract states who calls it, what it may wait for and what its answer means to SGLang. In short:
+``lookup`` reports what the tiers hold, ``load`` pins it or refuses (``admission``), the loader thread
+copies a batch layer by layer under the forward, and ``offload`` (the tree's write-through) copies new
+nodes down, reported in order. Every attention rank and pipeline stage answers the same (``ranks``).
+The tree publishes no events for an external store: the linker puts its tiers' ``CPU_PINNED``/``DISK``
+events on the cache's event stream itself (``cache_wrappers``; ``hooks`` for how it reaches the cache).
 """
 
 from __future__ import annotations
@@ -41,25 +23,17 @@ from sglang_kvbm.config import KvbmConfig
 from sglang_kvbm.core.connector import KvbmConnector
 from sglang_kvbm.core.ports import StoreRequest
 from sglang_kvbm.integration.sglang import hooks
+from sglang_kvbm.integration.sglang.admission import Admissions
 from sglang_kvbm.integration.sglang.build import build_tiers
 from sglang_kvbm.integration.sglang.cache_wrappers import wrap_cache
-from sglang_kvbm.integration.sglang.compat import (
-    event_format,
-    offload_ready_events,
-    refuse_what_this_sglang_cannot_carry,
-    seam,
-)
+from sglang_kvbm.integration.sglang.compat import (event_format, offload_ready_events,
+                                                   refuse_what_this_sglang_cannot_carry, seam)
 from sglang_kvbm.integration.sglang.event_order import EventOrderer
 from sglang_kvbm.integration.sglang.events import SglangEventSink
 from sglang_kvbm.integration.sglang.flags import check_installed_sglang
 from sglang_kvbm.integration.sglang.lookup_pins import LookupPins
 from sglang_kvbm.integration.sglang.page_identity import EventSettings, InsertContext
-from sglang_kvbm.integration.sglang.pool_transfers import (
-    kv_transfer,
-    restorable_lengths,
-    sidecar_loads,
-    sidecar_stores,
-)
+from sglang_kvbm.integration.sglang.pool_transfers import kv_transfer, sidecar_stores
 from sglang_kvbm.integration.sglang.ranks import LinkerSetup, check_components, setup_of
 from sglang_kvbm.integration.sglang.tier_query import TierQueries, TierTokens, tier_tokens
 from sglang_kvbm.integration.sglang.worker_counter import KvbmLayerCounter
@@ -121,6 +95,7 @@ class KvbmLinker(UnifiedCacheLinker):
         if not seam().refusable_loads:  # SGLang cannot take a refused or failed load: see the module's docstring
             self.pins = LookupPins(self.connector)
             self.layer_done_counter.redo = self.loader.redo
+        self.admissions = Admissions(self.connector, self.sidecars, self.loads, self.setup, self.pins)
         self.queries = TierQueries(self.tier_tokens)
         self.cache = None
         self._insert: Optional[tuple] = None  # (key, priority) of the insert in progress
@@ -137,47 +112,27 @@ class KvbmLinker(UnifiedCacheLinker):
     # -- the contract ---------------------------------------------------------------
 
     def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
-        keys = kv_transfer(transfers).keys or []
-        hit = self.connector.lookup(rid, keys)
-        if self.pins is not None:
-            hit = self.pins.pin(rid, keys, hit)
-        stages, across = self.setup.stages, self.setup.ranks_agreeing > 1
-        if self.sidecars:  # hybrid: only boundaries whose window pages / state the sidecar tiers hold too
-            lengths = self.sidecars.restorable(keys, hit, every=across or stages.many) if hit else []
-            return stages.common(lengths, len(keys))
-        return restorable_lengths(stages.shortest(hit), across)
+        """Scheduler thread, at admission: the prefix lengths (pages) of the device-uncached tail the tiers can restore.
+
+        Disk reads start here, not waited for; remote (G4) tiers' reads are, up to SGLANG_KVBM_LOAD_WAIT_MS plus 3x
+        the read meter's estimate (capped by the load timeout); PP stages MIN-reduce. ``[]``: a miss, the request
+        computes the tail. 0.5.21: also pins what it reports (``lookup_pins``), waiting for disk reads like ``load``.
+        """
+        return self.admissions.lookup(rid, transfers)
 
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
-        kv = kv_transfer(transfers)
-        if self.pins is not None:  # pinned by its lookup; every rank pinned at least what the ranks agreed on
-            self.loads.queue(rid, self.pins.take(rid, kv.keys), kv.device_indices)
-            return True
-        plan = side = None
-        try:
-            plan = self.connector.acquire(kv.keys)
-            if plan is not None and self.sidecars:  # all or none: the KV with every sidecar pool's part
-                wanted = sidecar_loads(transfers, self.sidecars.managers)
-                try:
-                    side = self.sidecars.acquire({n: t.keys for n, t in wanted.items()}) if wanted else None
-                except BaseException:
-                    self.connector.cancel(plan)
-                    raise
-                if side is None:
-                    self.connector.refuse(plan, "a sliding-window page or Mamba state it needs is not held")
-                    plan = None
-        finally:  # also when acquire raised: the other ranks are in the reduction already
-            if not self.setup.all_agree(plan is not None, self.cache):
-                if plan is not None:
-                    self.connector.cancel(plan)
-                    self.sidecars.release(side or {}, reused=False)
-                plan = None
-        if plan is None:
-            return False
-        side = {name: (side[name], t.device_indices) for name, t in wanted.items()} if side else None
-        self.loads.queue(rid, plan, kv.device_indices, side)
-        return True
+        """Scheduler thread, once the tree gave the request's slots: pin every block (and sidecar part) for the next
+        ``start_layer_wise_loading``, copying nothing yet. Waits for this request's own disk/G4 reads in flight, up to
+        SGLANG_KVBM_LOAD_WAIT_MS plus 3x the read meter's estimate, then MIN-reduces over stages and attention ranks.
+        False: SGLang frees the slots and the request recomputes the span. 0.5.21 cannot take a refusal
+        (``compat``): there it takes the lookup's pins and is always True."""
+        return self.admissions.load(rid, transfers, self.cache)
 
     def start_layer_wise_loading(self) -> int:
+        """Scheduler thread, before the forward: hand every queued load to the loader thread as one batch, copied
+        layer by layer while the forward waits per layer (``layer_done_counter``). Never blocks (CUDA: records the
+        scheduler's and forward's events first). The counter index; -1: nothing was queued. 0.5.21: lookup pins
+        not loaded are let go (those requests are looked up again)."""
         # On CUDA the copies wait (on the GPU) for the scheduler's stream, which made the slots, and the forward's,
         # which may still write pages the slots reuse: SGLang's own pair of events (HiCache fences loads alike).
         ready = self.record_offload_ready() if self.layout.is_cuda and self.loads.pending() else ()
@@ -186,27 +141,42 @@ class KvbmLinker(UnifiedCacheLinker):
         return self.loads.start(ready)
 
     def finish_layer_wise_loading(self, counter_index: int) -> bool:
-        """After the forward: every layer handed to the device (the current stream now waits for the last)."""
-        return self.setup.stages.agree(self.loads.finish(counter_index))  # SGLang reduces over attention ranks only
+        """Scheduler thread, after the forward (0.5.22 on): wait until the loader handed over every layer of the
+        batch (CPU: copied; CUDA: enqueued, the current stream waiting for the last), at most a copy's time, then
+        MIN-reduce over PP stages (SGLang reduces over attention ranks). False: a copy failed on some rank; SGLang
+        aborts the batch's requests (503) and none of their KV joins the tree."""
+        return self.setup.stages.agree(self.loads.finish(counter_index))
 
     def cancel_queued_load(self, rid: str) -> bool:
+        """Scheduler thread, as a request goes away: unpin its load not started yet (and its lookup's pins). Never
+        blocks. False: none is queued (a started batch is concluded by ``finish_layer_wise_loading``, on 0.5.21 by
+        ``pop_completed_load``). 0.5.21 calls it on every request release."""
         if self.pins is not None:
             self.pins.release(rid)
         return self.loads.cancel(rid)
 
     def num_completed_loads(self) -> int:
-        """SGLang 0.5.21, each step: batches whose layers all landed (their requests' nodes unlock)."""
+        """SGLang 0.5.21 only, scheduler thread, each step: started batches whose layers were all handed over, not
+        popped yet; finishes them (rows are let go once their copies end). Never waits for a copy, but copies a
+        failed batch again if its forward did not (``LayerCounter.redo``). SGLang pops the attention ranks' MIN."""
         return self.loads.landed()
 
     def pop_completed_load(self) -> list[str]:
+        """SGLang 0.5.21, scheduler thread, once per batch ``num_completed_loads`` counted: its request ids (the tree
+        unlocks their nodes). Never blocks."""
         return self.loads.pop_landed()
 
     def record_offload_ready(self) -> list:
-        """CUDA: events after which the scheduler's slots and the forward's writes are ready (SGLang's own where its
-        linker base has them)."""
+        """Scheduler thread, CUDA only (``offload`` and ``start_layer_wise_loading`` call it): events after which the
+        scheduler's slots and the forward's writes are ready; SGLang's own where its linker base has them (0.5.23),
+        else ``compat``'s. Records; never waits."""
         return super().record_offload_ready() if seam().offload_ready else offload_ready_events(self.forward_stream)
 
     def offload(self, transfers: list[PoolTransfer], session_id: Optional[str] = None) -> bool:
+        """Scheduler thread, in the tree's insert (write-through of a new node): reserve tier rows and queue the
+        pages' copies down to worker threads; never blocks. True: the tree keeps the node locked until
+        ``pop_completed_offload``. False (outside an insert, tokens unknown; or priority below
+        DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY): the tree unlocks it, and may offer it again."""
         if self._insert is None:
             # Only an insert says which tokens the pages hold; the tree offers the node again later.
             self.offloads_refused_outside_insert += 1
@@ -227,13 +197,14 @@ class KvbmLinker(UnifiedCacheLinker):
         return True
 
     def num_completed_offloads(self) -> int:
-        # Called by the scheduler at the top of every step: the linker's per-step hook.
+        """Scheduler thread, first thing each step (the linker's per-step hook: polls copies, answers ``/tiers``,
+        publishes stats every 50 ms): how many of the oldest offloads finished, in order. Never waits for a copy; PP
+        stages MIN-reduce, so a node unlocks on every stage at once. SGLang pops the attention ranks' MIN."""
         self.loads.poll()
         self.queries.answer_pending()
         count = self.connector.completed_offloads()
         if self.sidecars:
             count = min(count, self.sidecars.completed())
-        # A node unlocks on every pipeline stage at once, or the stages' trees drift apart.
         count = self.setup.stages.completed_offloads(count, self._pop_offload, self.connector.pending_offloads())
         if self.metrics is not None:
             now = time.monotonic()
@@ -245,6 +216,8 @@ class KvbmLinker(UnifiedCacheLinker):
         return count
 
     def pop_completed_offload(self) -> bool:
+        """Scheduler thread, once per offload ``num_completed_offloads`` counted, oldest first: True when every page
+        (and sidecar part) is held below; False: not stored, the tree unlocks the node unmarked. Never blocks."""
         return self.setup.stages.pop_offload(self._pop_offload)
 
     def _pop_offload(self) -> bool:
@@ -252,7 +225,8 @@ class KvbmLinker(UnifiedCacheLinker):
         return self.sidecars.pop() and ok if self.sidecars else ok
 
     def quiesce(self, timeout: Optional[float] = None) -> bool:
-        """Wait until no copy touches device or tier memory (loads, offloads, disk reads and writes); False on timeout."""
+        """Wait until no copy touches device or tier memory (loads, offloads, disk and G4 I/O); False when ``timeout``
+        ran out. Scheduler thread (weight updates) or a test's."""
         deadline = None if timeout is None else time.monotonic() + timeout
         idle = self.loads.quiesce(timeout)
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -268,19 +242,19 @@ class KvbmLinker(UnifiedCacheLinker):
                            what, self.quiesce_timeout)
 
     def drop_tiers(self) -> None:
-        """Forget every block of every tier, announcing their removal (the device cache stays as it is).
-
-        For what makes the tiers' bytes wrong while the tree keeps its nodes (a
-        weight update without a flush): offloads the tree waits for still
-        complete, in order, as not held.
-        """
+        """Forget every block of every tier, announcing their removal (the device cache stays as it is): for what
+        makes the tiers' bytes wrong while the tree keeps its nodes (a weight update without a flush); offloads the
+        tree waits for still complete, in order, as not held. Scheduler thread; waits as ``reset`` does."""
         self._quiesce_or_warn("dropping the tiers")
         self.manager.drop()
         self.sidecars.drop()
         self.connector.poll()
 
     def reset(self) -> None:
-        """Quiesce the copies and forget every tier (the tree publishes ``AllBlocksCleared``)."""
+        """Scheduler thread, on a cache flush: wait for the loads in flight (a copy's time), then up to
+        ``quiesce_timeout`` (60 s) for offloads and disk/G4 I/O (copies still running then register nothing), and
+        forget every tier, pin and queued load. The tree then drops its pending offloads and publishes
+        ``AllBlocksCleared``."""
         self._quiesce_or_warn("reset")
         if self.pins is not None:
             self.pins.release_all()
@@ -291,6 +265,9 @@ class KvbmLinker(UnifiedCacheLinker):
         self.sink.clear()
 
     def close(self) -> None:
+        """At shutdown (the tree's ``release_host_resources``, scheduler thread): stop the endpoint, wait for the
+        loader to hand over what it holds, stop every tier's threads (queued copies are cancelled) and close the
+        tiers. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -300,12 +277,35 @@ class KvbmLinker(UnifiedCacheLinker):
         self.connector.close()
         self.sidecars.close()
 
-    # -- what the hooks give (see ``hooks``) -------------------------------------------
+    # -- what the hooks give (see ``hooks``, ``cache_wrappers``) ---------------------------
 
     def attach_kvbm(self, cache) -> None:
         """Wrap this cache instance's ``insert``, ``init_load_back`` and ``take_events`` (``cache_wrappers``)."""
         self.cache = cache
         wrap_cache(self, cache)
+
+    def begin_insert(self, key, priority: Optional[int]) -> None:
+        """Scheduler thread, as the tree's ``insert`` starts: the offloads it makes store ``key``'s pages at
+        ``priority`` (no key: they are refused). Never blocks."""
+        self._insert = (key, priority or 0) if key is not None else None
+
+    def end_insert(self) -> None:
+        """Scheduler thread, as that insert returns or raises: later offloads are outside an insert (refused)."""
+        self._insert = None
+
+    def staged_blocks(self, rid: str) -> int:
+        """Scheduler thread, after ``load``: blocks of ``rid``'s queued load read from below host (0: none, or no load
+        queued), which SGLang reports as storage hits. Never blocks."""
+        plan = self.loads.queued_plan(rid)
+        return 0 if plan is None else plan.staged_blocks
+
+    def join_tier_events(self, events: list) -> list:
+        """Scheduler thread, in the tree's ``take_events``: ``events`` with the tiers' events of the step after them,
+        in an order Dynamo's indexer accepts; events off: ``events`` as given (nothing polled). Never blocks."""
+        if not self._events_on:  # the step's check_hicache_events polled the copies already
+            return events
+        self.connector.poll()  # copies that landed during the step publish with it
+        return self.orderer.order(events + self.sink.take())
 
     # -- the truth about this worker's tiers ----------------------------------------------
 
@@ -315,6 +315,8 @@ class KvbmLinker(UnifiedCacheLinker):
                            sidecars=self.sidecars)
 
     def query_tiers(self, token_ids, *, extra_key=None, cache_salt=None, timeout: float = 10.0) -> TierTokens:
+        """Any other thread (``/tiers``): ``tier_tokens``, answered by the scheduler thread at its next step; waits
+        up to ``timeout`` for the answer."""
         return self.queries.ask(token_ids, extra_key=extra_key, cache_salt=cache_salt, timeout=timeout)
 
     def _metrics_snapshot(self) -> dict:
