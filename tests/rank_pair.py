@@ -65,7 +65,11 @@ def main(rank: int, port: int, out: str, root: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=240))
     group = dist.group.WORLD  # the attention-TP group of the TP pair, then the PP group of the PP pair
     found: dict = {}
+    # KVBM_TEST_PAIR_ROLES: which pairs to play (test_patch.py runs the TP pair alone on the patched tree)
+    roles = os.environ.get("KVBM_TEST_PAIR_ROLES", "tp,pp").split(",")
     for role, worker in (("tp", tp_pair_worker), ("pp", pp_pair_worker)):
+        if role not in roles:
+            continue
         found[role] = {}
         for scenario in worker.SCENARIOS:
             found[role][scenario.__name__] = scenario(rank, group, f"{root}/{role}")

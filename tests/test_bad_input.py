@@ -23,6 +23,7 @@ BAD = {
     "address": ["nohost", "host:", ":50051", "127.0.0.1:99999", "127.0.0.1:rpc"],  # tiers/mooncake/settings.py
     "metadata_url": ["ftp://x/metadata", "127.0.0.1:8080/metadata"],
     "protocol": ["udp", "ib"],
+    "onboard": ["sometimes", "0"],
     "bucket": ["Kv", "kv_cache", "-kv", "kv..cache", "k" * 64, "kv{rank}"],  # tiers/object/settings.py
     "endpoint": ["127.0.0.1:9000", "ftp://host/", "http://", "http://host:port"],
     "text": ["us east", "a\tb"],

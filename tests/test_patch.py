@@ -71,7 +71,7 @@ def test_bad_kvbm_config_stops_the_launcher(model_dir, patched_tree, tmp_path):
 def test_one_rank_fix_keeps_tensor_parallel_ranks_agreeing(patched_tree):
     """The upstream fix skips the attention groups' reductions at one rank only: two gloo ranks on the patched
     tree still agree on every hit, load and offload (the TP pair tests, run on it)."""
-    env = {**os.environ, "PYTHONPATH": str(patched_tree)}
+    env = {**os.environ, "PYTHONPATH": str(patched_tree), "KVBM_TEST_PAIR_ROLES": "tp"}  # the patch is TP's
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" /
                            "test_tp_pair.py")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
