@@ -86,7 +86,7 @@ compat: system-deps $(STAMP) $(DYNAMO_STAMP) $(COMPAT_0522)/.installed
 	$(DYNAMO_VENV)/bin/python -m pytest -q -ra -m "not server" -n $(TEST_WORKERS) tests
 	$(COMPAT_0522)/bin/python -m pytest -q -ra -m "not server" -n $(TEST_WORKERS) tests
 	KVBM_TEST_RELEASES="$(DYNAMO_VENV)/bin/python $(COMPAT_0522)/bin/python" \
-	  $(VENV)/bin/python -m pytest -q -ra tests/test_server_releases.py
+	  $(VENV)/bin/python -m pytest -q -ra tests/servers/test_server_releases.py
 
 # Without the tests that start real SGLang servers (a few minutes), on this source tree (the editable install
 # again, if `make test` left the wheel in .venv).

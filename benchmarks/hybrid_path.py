@@ -1,7 +1,7 @@
 """Hybrid models' tier hits: cache calls and the load per token restored, per model kind, against dense.
 
 Sliding-window and Mamba hybrids and draft KV cannot be trusted in a real CPU
-server (see ``tests/test_hybrid_swa.py``), so this measures in process what a
+server (see ``tests/sglang/test_hybrid_swa.py``), so this measures in process what a
 tier hit costs the scheduler thread on SGLang's own pools and default tree
 (``harness.hybrid``): each round computes and inserts a fresh
 prompt (its write-through offload included, timed as ``insert``), evicts the

@@ -10,7 +10,7 @@ values its parser accepts. A parser this script does not describe is an error, s
 a new kind of value cannot reach the page undescribed.
 
 Imports only the configuration modules, which load neither torch nor SGLang
-(``tests/test_docs_config_reference.py`` checks both, and that the page is current).
+(``tests/ops/test_docs_config_reference.py`` checks both, and that the page is current).
 """
 
 from __future__ import annotations

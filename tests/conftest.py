@@ -54,9 +54,9 @@ needs_nixl_1_3 = pytest.mark.skipif(NIXL_1_5, reason=f"NIXL {NIXL_VERSION} behav
 
 
 # SGLang 0.5.21's paged allocator has no CPU path (two Triton kernels, unconditionally): its servers at --page-size > 1
-# load a test-only stand-in (tests/cpu_paged_alloc, never shipped), stock and kvbm servers alike. It patches nothing on
+# load a test-only stand-in (tests/servers/cpu_paged_alloc, never shipped), stock and kvbm servers alike. It patches nothing on
 # a release that has a CPU path.
-CPU_PAGED_ALLOC_ENV = {"PYTHONPATH": str(Path(__file__).parent / "cpu_paged_alloc"), "KVBM_TEST_CPU_PAGED_ALLOC": "1"}
+CPU_PAGED_ALLOC_ENV = {"PYTHONPATH": str(Path(__file__).parent / "servers" / "cpu_paged_alloc"), "KVBM_TEST_CPU_PAGED_ALLOC": "1"}
 
 
 def needs(feature: str):

@@ -1,6 +1,6 @@
 """sglang-kvbm: NVIDIA Dynamo KVBM's GPU -> host -> disk KV tiers and KV events for SGLang.
 
-The package is built in floors (``tests/test_layering.py``), each importing only
+The package is built in floors (``tests/ops/test_layering.py``), each importing only
 those below it: ``base``, ``core`` (no engine, no torch), ``transfer``, ``tiers``,
 ``config``, ``manager``, ``observe``, ``integration`` (the one door to SGLang and
 Dynamo), ``ops``. SGLang reaches it through the ``kvbm`` radix-cache backend

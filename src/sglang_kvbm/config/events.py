@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 FLAG = "--kv-events-config"
 EXAMPLE = '\'{"publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"}\''
-# SGLang 0.5.23's KVEventsConfig defaults, field by field (tests/test_events_config.py compares them).
+# SGLang 0.5.23's KVEventsConfig defaults, field by field (tests/ops/test_events_config.py compares them).
 DEFAULTS: dict[str, Any] = {
     "publisher": "null",
     "endpoint": "tcp://*:5557",

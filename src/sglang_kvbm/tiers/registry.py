@@ -17,7 +17,7 @@ base install too: a ``kind`` module imports only the standard library and this
 package's light modules (``base``, ``core``, this module) at its top, and
 everything else (torch, numpy, NIXL, Mooncake, zmq: its store and tier) inside
 the function that needs it. A ``run`` checks what its command needs first
-(``base.needs.require``). ``tests/test_cli.py`` holds them to it.
+(``base.needs.require``). ``tests/ops/test_cli.py`` holds them to it.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ becomes ``attn_dp_size=N, dp_size=1``, ``--enable-waterfill`` sets
 values stay on the safe side. What a pool itself reports (class, dtype, layout NHD/HND/page-major,
 page bytes) is recorded from the pool by the fingerprint, whatever flag chose it.
 
-On an SGLang upgrade: install it, run ``pytest tests/test_server_args_table.py``; it lists the
+On an SGLang upgrade: install it, run ``pytest tests/sglang/test_server_args_table.py``; it lists the
 fields this table lacks and those SGLang dropped. Classify each new field here (read its help text
 and its uses as above), note dropped ones in :data:`ABSENT_IN` (delete them once no supported release has them), then add the
 release to :data:`SGLANG_VERSIONS`. Re-read the help text

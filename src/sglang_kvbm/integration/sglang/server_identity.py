@@ -1,7 +1,7 @@
 """The server arguments in a block's identity: every one the table says changes KV bytes, files by content.
 
 ``server_args_table`` classifies every field of SGLang's ``ServerArgs``
-(``tests/test_server_args_table.py`` fails when an installed SGLang has one it
+(``tests/sglang/test_server_args_table.py`` fails when an installed SGLang has one it
 does not list). Here that table becomes the ``settings`` of the identity:
 
 * each ``KV_BYTES`` field by its value (lists and dicts as sorted JSON);

@@ -191,7 +191,7 @@ def test_imports_no_sglang():
 
 
 def test_print_the_table(capsys):
-    """The table as a person reads it (``pytest -s tests/test_events_config.py -k table``)."""
+    """The table as a person reads it (``pytest -s tests/ops/test_events_config.py -k table``)."""
     for raw, expected in CASES:
         if expected in ("ok", "off"):
             continue

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from permissions import make_unwritable, make_writable
+from harness.permissions import make_unwritable, make_writable
 from sglang_kvbm.config import ConfigError
 from sglang_kvbm.ops import doctor as doctor_module
 from sglang_kvbm.ops.doctor import diagnose
@@ -151,14 +151,14 @@ def test_doctor_uses_the_one_supported_range():
 
 def test_pip_is_told_the_same_range():
     """pyproject.toml's ``sglang`` extra (what pip resolves) and the run-time check name one range."""
-    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     assert f'sglang = ["sglang{SUPPORTED_SGLANG}"]' in pyproject
 
 
 def test_license_is_an_spdx_expression_with_its_file():
     """PEP 639: a TOML-table license is deprecated (setuptools stops building it after 2027-02-18)."""
     tomllib = pytest.importorskip("tomllib")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     pyproject = tomllib.loads((root / "pyproject.toml").read_text())
     assert pyproject["project"]["license"] == "Apache-2.0"
     assert pyproject["project"]["license-files"] == ["LICENSE"]

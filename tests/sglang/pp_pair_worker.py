@@ -1,4 +1,4 @@
-"""One stage of a pipeline-parallel pair, for tests/test_pp_pair.py (run by ``rank_pair.py``, two processes).
+"""One stage of a pipeline-parallel pair, for tests/sglang/test_pp_pair.py (run by ``rank_pair.py``, two processes).
 
 SGLang does not start a PP=2 server on CPU (its model-parallel set-up builds pynccl
 on CUDA torch builds), so this drives what every PP stage's scheduler does for
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # its folder, tests/
 
 from conftest import GatedExecutor, Stack  # noqa: E402
 from tp_pair_worker import admit, disagree_on, race_on  # noqa: E402

@@ -1,6 +1,6 @@
 """KVBM's disk offload filter: its counting rules, and decay that costs nothing for the entries it does not touch.
 
-Micro-measurement (``PYTHONPATH=src python tests/test_offload_filter.py``): 1M random 64-bit keys, each
+Micro-measurement (``PYTHONPATH=src python tests/core/test_offload_filter.py``): 1M random 64-bit keys, each
 offered twice, fake clock, 2-core VM (CPython 3.11), two runs each on a quiet machine:
 
 =========================================  =========================  ===============================

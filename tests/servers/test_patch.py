@@ -20,7 +20,7 @@ from sglang_kvbm.ops.demo.server import ServerError, SglangServer
 
 pytestmark = pytest.mark.server
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_one_rank_fix_keeps_tensor_parallel_ranks_agreeing(patched_tree):
     """The upstream fix skips the attention groups' reductions at one rank only: two gloo ranks on the patched
     tree still agree on every hit, load and offload (the TP pair tests, run on it)."""
     env = {**os.environ, "PYTHONPATH": str(patched_tree), "KVBM_TEST_PAIR_ROLES": "tp"}  # the patch is TP's
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" /
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "sglang" /
                            "test_tp_pair.py")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout

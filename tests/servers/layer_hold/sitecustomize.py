@@ -16,7 +16,7 @@ if _HOLD and _RECORD:
 
     import sys
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the harness
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests/: the harness
     from harness.import_patch import patch_on_import  # noqa: E402
 
     def _log(line: str) -> None:

@@ -18,7 +18,7 @@ pytest.importorskip("sglang.srt.mem_cache.unified_cache.linker_factory", reason=
                     "hybrid pools without a linker factory (compat refuses or serves them; see test_startup_refusals)")
 
 from harness.hybrid import admit, build, equal, kv_bytes
-from test_disk_tier import data_offset, flip_bit, segment_path
+from harness.disk import data_offset, flip_bit, segment_path
 
 # loads must land whatever the machine is doing (not this file's subject: test_disk_lanes.py tests the budget)
 pytestmark = pytest.mark.usefixtures("loads_wait_for_their_reads")

@@ -18,7 +18,7 @@ import pytest
 from sglang_kvbm.config import ConfigError, KvbmConfig
 from sglang_kvbm.integration.sglang.build import Identity
 from harness.mooncake import MooncakeCluster
-from test_disk_tier import load_exact
+from harness.disk import load_exact
 
 TOKENS = list(range(500, 532))  # 8 pages of 4
 

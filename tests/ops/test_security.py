@@ -31,7 +31,7 @@ from sglang_kvbm.integration.sglang.compat import device_prefix_len
 from sglang_kvbm.ops.demo.server import free_port
 from sglang_kvbm.tiers.format import MAGIC as HEADER_MAGIC
 from sglang_kvbm.tiers.disk.setup import probe
-from test_disk_tier import disk_removed, event_hash, header_offset, load_exact, on_disk_only, segment_path
+from harness.disk import disk_removed, event_hash, header_offset, load_exact, on_disk_only, segment_path
 
 pytestmark = pytest.mark.usefixtures("loads_wait_for_their_reads")  # what a load serves, not how long it waits
 
@@ -292,7 +292,7 @@ def test_no_deserializer_that_can_run_code_is_imported():
     dill, cloudpickle, yaml) or calls eval/exec/torch.load."""
     import ast
 
-    src = Path(__file__).resolve().parents[1] / "src" / "sglang_kvbm"
+    src = Path(__file__).resolve().parents[2] / "src" / "sglang_kvbm"
     banned_modules = {"pickle", "cPickle", "_pickle", "marshal", "shelve", "dill", "cloudpickle", "yaml", "jsonpickle"}
     offenders = []
     for path in src.rglob("*.py"):

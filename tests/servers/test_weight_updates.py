@@ -32,7 +32,7 @@ from sglang.srt.utils.torch_memory_saver_adapter import _TorchMemorySaverAdapter
 
 from conftest import build_stack
 from sglang_kvbm.ops.demo.server import free_port
-from test_disk_tier import event_hash, load_exact, on_disk_only
+from harness.disk import event_hash, load_exact, on_disk_only
 
 pytestmark = pytest.mark.usefixtures("loads_wait_for_their_reads")  # what a load serves, not how long it waits
 

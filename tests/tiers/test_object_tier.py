@@ -19,7 +19,7 @@ from conftest import needs_nixl_1_3
 from sglang_kvbm.config import ConfigError, KvbmConfig
 from sglang_kvbm.integration.sglang.build import Identity
 from harness.s3 import ACCESS_KEY, REGION, SECRET_KEY, S3Server
-from test_disk_tier import load_exact
+from harness.disk import load_exact
 
 pytestmark = needs_nixl_1_3  # NIXL 1.5's OBJ writes to moto never finish here (conftest.NIXL_1_5)
 

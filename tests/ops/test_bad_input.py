@@ -96,7 +96,7 @@ def test_json_overrides_the_environment():
 
 
 def test_print_the_table(capsys):
-    """The table as a person reads it (``pytest -s tests/test_bad_input.py -k table``): every bad value from
+    """The table as a person reads it (``pytest -s tests/ops/test_bad_input.py -k table``): every bad value from
     both sources, each row naming its variable or key and saying the fix."""
     lines = []
     for var, value in CASES:

@@ -4,7 +4,7 @@ The server's pool is too small to keep three 600-token prompts, so the first pro
 comes back from the host tier: its greedy output must equal the same server's cold run of it
 (logprobs within conftest.LOGPROB_TOLERANCE), and the hit must be the host tier's. The reference is
 that cold run, not a stock FP8 server: what kvbm adds is the load, and a cold run computes its KV as
-stock does (tests/test_server_e2e.py shows kvbm's cold runs equal stock's; stock FP8 on CPU is
+stock does (tests/servers/test_server_e2e.py shows kvbm's cold runs equal stock's; stock FP8 on CPU is
 self-consistent: two stock servers that differ only in pool size agree).
 """
 

@@ -15,7 +15,7 @@ import os
 if os.environ.get("KVBM_TEST_CPU_PAGED_ALLOC") == "1":
     import sys
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the harness
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests/: the harness
     from harness.import_patch import patch_on_import  # noqa: E402
 
     def _extend(prefix_lens, seq_lens, last_loc, free_pages, out_indices, _bs_pow2, page_size):

@@ -11,7 +11,6 @@ crashes, and a later load of intact blocks is byte-exact.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import shutil
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from sglang.srt.disaggregation.kv_events import BlockRemoved, BlockStored
+from sglang.srt.disaggregation.kv_events import BlockStored
 
 from conftest import (
     LOADS_REFUSABLE,
@@ -34,91 +33,28 @@ from conftest import (
     needs_nixl_1_3,
     needs_refusable_loads,
 )
-from permissions import make_unwritable, make_writable
+from harness.disk import (
+    data_offset,
+    disk_removed,
+    disk_stored,
+    event_hash,
+    flip_bit,
+    header_offset,
+    load_exact,
+    medium,
+    on_disk_only,
+    push_out_of_host,
+    segment_path,
+    slot_of,
+)
+from harness.permissions import make_unwritable, make_writable
 from sglang_kvbm.config import ConfigError
 from sglang_kvbm.integration.sglang.build import Identity
 from sglang_kvbm.integration.sglang.compat import device_prefix_len
 from sglang_kvbm.tiers.disk.setup import probe
 
 pytestmark = pytest.mark.usefixtures("loads_wait_for_their_reads")  # what a load serves, not how long it waits
-
-
-_junk = itertools.count()
 GIB = 1 << 30
-
-
-def medium(event) -> str:
-    value = getattr(event, "medium", None)
-    return getattr(value, "value", value) or "GPU"
-
-
-def disk_removed(events) -> list[int]:
-    return [h for e in events if isinstance(e, BlockRemoved) and medium(e) == "DISK" for h in e.block_hashes]
-
-
-def disk_stored(events) -> list:
-    return [e for e in events if isinstance(e, BlockStored) and medium(e) == "DISK"]
-
-
-def slot_of(disk, block_id) -> int:
-    slot = disk._index.slot(block_id)
-    assert slot is not None, "not on disk"
-    return slot
-
-
-def event_hash(disk, block_id) -> int:
-    return disk._index.header(slot_of(disk, block_id)).event_hash
-
-
-def header_offset(disk, block_id) -> int:
-    """Byte offset of a block's slot (its header) in its segment file."""
-    return disk.segments.address(slot_of(disk, block_id))[1]
-
-
-def data_offset(disk, block_id) -> int:
-    return header_offset(disk, block_id) + disk.header_bytes
-
-
-def segment_path(disk, block_id) -> Path:
-    return disk.segments.of(slot_of(disk, block_id)).path
-
-
-def flip_bit(path: Path, offset: int, mask: int = 0x01) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ mask]))
-
-
-def push_out_of_host(stack) -> None:
-    """Store as many unrelated blocks as the host holds: the least recently used host blocks leave it."""
-    pages = stack.manager.host.capacity
-    base = 1_000_000 + next(_junk) * 10_000
-    stack.insert([base + i for i in range(pages * stack.page_size)], seed=base)
-    stack.settle()
-
-
-def on_disk_only(stack, tokens, *, seed: int) -> list[torch.Tensor]:
-    """Insert ``tokens`` (every page goes to host, then to disk), then leave them on disk only."""
-    written = stack.insert(tokens, seed=seed)
-    stack.settle()
-    push_out_of_host(stack)
-    stack.evict_all()
-    stack.scramble_pool()
-    n = len(tokens) // stack.page_size
-    assert stack.linker.connector.peek(stack.block_ids(tokens)) == (0, n), "not on disk only"
-    return written
-
-
-def load_exact(stack, tokens, written, rid="exact") -> None:
-    """Admit ``tokens`` (all on host or disk): every page loads, byte for byte."""
-    req, match, loaded, slots, _ = stack.admit(tokens + [1], rid)
-    assert (device_prefix_len(match), loaded) == (0, len(tokens))
-    assert stack.finish(req)
-    for got, want in zip(stack.read_pages(slots), written):
-        assert torch.equal(got, want)
-    stack.allocator.free(slots)  # the request is done with them (it would insert them)
 
 
 def disk_stack(stack_factory, tmp_path, **kwargs):
@@ -581,7 +517,7 @@ def test_corrupt_index_is_rebuilt_and_the_tier_starts(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="sglang_kvbm"):
         b = build_stack(host_blocks=4, disk_blocks=64, disk_dir=tmp_path)
     try:
-        assert b.manager.tiers["disk"].store.wait_rebuilt(timeout=60)  # rebuilt from the blocks' headers (tests/test_disk_rebuild.py)
+        assert b.manager.tiers["disk"].store.wait_rebuilt(timeout=60)  # rebuilt from the blocks' headers (tests/tiers/test_disk_rebuild.py)
         assert "rebuilt the disk index" in caplog.text
         assert len(b.manager.tiers["disk"].store) == 4 and b.manager.tiers["disk"].store.accounting()["free"] == 60
         b.insert(list(range(100, 116)), seed=18)

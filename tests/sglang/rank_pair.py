@@ -1,4 +1,4 @@
-"""One pair of real processes for tests/test_tp_pair.py and tests/test_pp_pair.py.
+"""One pair of real processes for tests/sglang/test_tp_pair.py and tests/sglang/test_pp_pair.py.
 
 Run as a script (two processes over one gloo group), it plays the ranks of a
 tensor-parallel pair (``tp_pair_worker``), then the stages of a pipeline-parallel

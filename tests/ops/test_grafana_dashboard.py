@@ -25,9 +25,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from sglang_kvbm.observe.endpoint import stats_of
 from sglang_kvbm.observe.metrics import PER_TIER
 from sglang_kvbm.ops.demo.server import free_port
-from test_disk_tier import data_offset, flip_bit, load_exact, on_disk_only, segment_path
+from harness.disk import data_offset, flip_bit, load_exact, on_disk_only, segment_path
 
-DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "sglang-kvbm.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "sglang-kvbm.json"
 TARGET_LABELS = {"instance", "job"}  # Prometheus adds these to every series it scrapes
 GRAFANA_VARIABLES = {"__interval", "__rate_interval", "__range", "__interval_ms", "__range_s", "__range_ms"}
 # Families declared with no sample unless a remote tier (Mooncake, object storage) is on: a remote tier needs a

@@ -1,4 +1,4 @@
-"""One rank of a tensor-parallel pair, for tests/test_tp_pair.py (run by ``rank_pair.py``, two processes).
+"""One rank of a tensor-parallel pair, for tests/sglang/test_tp_pair.py (run by ``rank_pair.py``, two processes).
 
 SGLang does not start a TP=2 server on CPU (its model-parallel set-up builds pynccl
 on CUDA torch builds), so this drives what SGLang's wrapper does across ranks for
@@ -17,10 +17,10 @@ import torch
 
 from sglang_kvbm.manager import lookups
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # its folder, tests/
 
 from conftest import GatedLanes, Stack, make_req  # noqa: E402
-from test_disk_tier import data_offset, flip_bit, segment_path  # noqa: E402
+from harness.disk import data_offset, flip_bit, segment_path  # noqa: E402
 
 SIZE, PAGE = 64, 4
 

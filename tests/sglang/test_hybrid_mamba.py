@@ -112,7 +112,7 @@ def test_every_pool_loads_on_the_layer_sglang_waits_on_before_reading_it(tmp_pat
 
 def test_a_corrupt_state_on_disk_misses_the_whole_load(tmp_path):
     """The Mamba state of the boundary fails its checksum: no page is served without it, and it is dropped."""
-    from test_disk_tier import data_offset, flip_bit, segment_path
+    from harness.disk import data_offset, flip_bit, segment_path
 
     h = build("mamba", tmp_path, host_blocks=0, disk_blocks=256)
     tokens = prompt(1000, PAGES)

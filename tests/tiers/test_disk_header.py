@@ -16,7 +16,7 @@ import torch
 from sglang_kvbm.core.pages import one_page
 from sglang_kvbm.tiers.format import BlockHeader, decode_header, encode_header, header_bytes_for
 from sglang_kvbm.tiers.disk.store import DiskStore
-from test_disk_tier import disk_stored, load_exact, on_disk_only, push_out_of_host
+from harness.disk import disk_stored, load_exact, on_disk_only, push_out_of_host
 
 pytestmark = pytest.mark.usefixtures("loads_wait_for_their_reads")  # what a load serves, not how long it waits
 

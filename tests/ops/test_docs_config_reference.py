@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GENERATOR = ROOT / "docs" / "gen_config_reference.py"
 REFERENCE = ROOT / "docs" / "reference" / "configuration-variables.md"
 SOURCES = ROOT / "src" / "sglang_kvbm"
