@@ -48,10 +48,10 @@ import time
 from pathlib import Path
 
 import chaos_selfcheck
+import checkout  # noqa: F401  (tests/harness on sys.path)
 from chaos_run import ChaosPass, Tally, reference_pass
 from chaos_worker import WARM_UP, Worker
 from chaos_workload import build
-import checkout  # noqa: F401  (tests/harness on sys.path)
 from common import mean, out_dir, pct, scratch_dir, table
 from sglang_kvbm.ops.demo.model import CHAOS, make_model
 from sglang_kvbm.ops.demo.server import SglangServer

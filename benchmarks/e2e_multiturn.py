@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 
 from common import mean, out_dir, pct, save_plot, scratch_dir, table, verdict
-from sglang_kvbm.ops.demo.run import _stream_generate
 from sglang_kvbm.ops.demo.model import DEMO, make_model, prompt_ids
+from sglang_kvbm.ops.demo.run import _stream_generate
 from sglang_kvbm.ops.demo.server import SglangServer
 
 

@@ -24,8 +24,9 @@ import tempfile
 import warnings
 from pathlib import Path
 
-import checkout  # noqa: F401  (tests/harness on sys.path)
 import torch
+
+import checkout  # noqa: F401  (tests/harness on sys.path)
 
 KINDS = ("dense", "swa", "mamba", "draft")
 STEPS = ("match", "load", "wait", "insert")

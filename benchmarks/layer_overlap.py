@@ -31,9 +31,9 @@ from sglang_kvbm.core.identity import chain_hashes
 from sglang_kvbm.core.pages import one_page
 from sglang_kvbm.core.ports import StoreRequest
 from sglang_kvbm.manager.block_manager import LocalBlockManager
+from sglang_kvbm.manager.layer_loader import LayerLoader
 from sglang_kvbm.transfer.kv_layout import PagedKvLayout
 from sglang_kvbm.transfer.layer_counter import LayerCounter
-from sglang_kvbm.manager.layer_loader import LayerLoader
 
 
 def sync(device: str) -> None:

@@ -40,8 +40,8 @@ import requests
 
 import checkout  # noqa: F401  (tests/harness on sys.path)
 from common import mean, pct, table, verdict
-from sglang_kvbm.ops.demo.run import _stream_generate
 from sglang_kvbm.ops.demo.model import DEMO, make_model, prompt_ids
+from sglang_kvbm.ops.demo.run import _stream_generate
 from sglang_kvbm.ops.demo.server import SglangServer, free_port
 
 

@@ -45,10 +45,10 @@ from common import save_plot, table, verdict
 from sglang_kvbm.core.identity import chain_hashes
 from sglang_kvbm.core.pages import one_page
 from sglang_kvbm.core.ports import StoreRequest
+from sglang_kvbm.manager.block_manager import LocalBlockManager
 from sglang_kvbm.tiers.disk.nixl_io import NixlFileIO
 from sglang_kvbm.tiers.disk.setup import probe
 from sglang_kvbm.tiers.disk.store import DiskStore
-from sglang_kvbm.manager.block_manager import LocalBlockManager
 from sglang_kvbm.transfer import copies
 from sglang_kvbm.transfer.host_memory import aligned_empty
 from sglang_kvbm.transfer.indexes import index

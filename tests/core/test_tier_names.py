@@ -6,7 +6,7 @@ import pytest
 
 from sglang_kvbm.core.connector import ConnectorStats
 from sglang_kvbm.core.hit_rate import HitRateWindow
-from sglang_kvbm.core.tiers import DEVICE, DISK, HOST, MOONCAKE, OBJECT, ROUTER_MEDIA, TIERS, Tier, by_medium, by_name
+from sglang_kvbm.core.tiers import DISK, HOST, MOONCAKE, OBJECT, ROUTER_MEDIA, TIERS, Tier, by_medium, by_name
 from sglang_kvbm.tiers import registry
 
 

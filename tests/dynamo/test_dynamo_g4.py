@@ -27,8 +27,8 @@ import zmq
 
 from conftest import CPU_PAGED_ALLOC_ENV, LOGPROB_TOLERANCE
 from harness.dynamo import DynamoFrontend, DynamoWorker, dynamo_python
-from sglang_kvbm.ops.demo.model import prompt_ids
 from harness.mooncake import MooncakeCluster
+from sglang_kvbm.ops.demo.model import prompt_ids
 from sglang_kvbm.tiers.mooncake.events import announced, list_keys
 
 pytestmark = pytest.mark.server

@@ -20,8 +20,8 @@ import time
 import pytest
 import requests
 
-from sglang_kvbm.integration.sglang.event_stream import replay
 from harness.indexer import DynamoIndexer
+from sglang_kvbm.integration.sglang.event_stream import replay
 from sglang_kvbm.ops.demo.model import prompt_ids
 from sglang_kvbm.ops.demo.server import SglangServer, free_port
 

@@ -19,12 +19,12 @@ from sglang_kvbm.core.identity import chain_hashes  # noqa: E402
 from sglang_kvbm.core.pages import one_page  # noqa: E402
 from sglang_kvbm.core.ports import StoreRequest  # noqa: E402
 from sglang_kvbm.manager.block_manager import LocalBlockManager  # noqa: E402
+from sglang_kvbm.manager.layer_loader import LayerLoader  # noqa: E402
 from sglang_kvbm.transfer import cuda_copies  # noqa: E402
 from sglang_kvbm.transfer.indexes import index  # noqa: E402
 from sglang_kvbm.transfer.kv_layout import PagedKvLayout  # noqa: E402
 from sglang_kvbm.transfer.lanes import LaneExecutor  # noqa: E402
 from sglang_kvbm.transfer.layer_counter import LayerCounter  # noqa: E402
-from sglang_kvbm.manager.layer_loader import LayerLoader  # noqa: E402
 
 PAGE = 16
 

@@ -18,9 +18,8 @@ from typing import Mapping, Optional, Sequence
 
 import requests
 
-from sglang_kvbm.ops.demo.server import QUICK_STOP, free_port, log_tail, stop_group
-
 from sglang_kvbm.integration.dynamo.router_view import NAMESPACE_ENDPOINT  # noqa: F401  (where dynamo.sglang serves)
+from sglang_kvbm.ops.demo.server import QUICK_STOP, free_port, log_tail, stop_group
 
 
 def dynamo_python() -> Path:

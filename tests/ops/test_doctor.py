@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from harness.permissions import make_unwritable, make_writable
+from sglang_kvbm.base.versions import SUPPORTED_SGLANG, check_sglang_version
 from sglang_kvbm.config import ConfigError
 from sglang_kvbm.ops import doctor as doctor_module
 from sglang_kvbm.ops.doctor import diagnose
-from sglang_kvbm.base.versions import SUPPORTED_SGLANG, check_sglang_version
 
 
 def doctor(env_extra, *args):

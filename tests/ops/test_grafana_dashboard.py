@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.disk import data_offset, flip_bit, load_exact, on_disk_only, segment_path
 from sglang_kvbm.observe.endpoint import stats_of
 from sglang_kvbm.observe.metrics import PER_TIER
 from sglang_kvbm.ops.demo.server import free_port
-from harness.disk import data_offset, flip_bit, load_exact, on_disk_only, segment_path
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "sglang-kvbm.json"
 TARGET_LABELS = {"instance", "job"}  # Prometheus adds these to every series it scrapes

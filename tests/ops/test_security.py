@@ -26,12 +26,12 @@ import torch
 import xxhash
 
 from conftest import build_stack
+from harness.disk import disk_removed, event_hash, header_offset, load_exact, on_disk_only, segment_path
 from sglang_kvbm.config import ConfigError
 from sglang_kvbm.integration.sglang.compat import device_prefix_len
 from sglang_kvbm.ops.demo.server import free_port
-from sglang_kvbm.tiers.format import MAGIC as HEADER_MAGIC
 from sglang_kvbm.tiers.disk.setup import probe
-from harness.disk import disk_removed, event_hash, header_offset, load_exact, on_disk_only, segment_path
+from sglang_kvbm.tiers.format import MAGIC as HEADER_MAGIC
 
 pytestmark = pytest.mark.usefixtures("loads_wait_for_their_reads")  # what a load serves, not how long it waits
 

@@ -31,8 +31,8 @@ from sglang.srt.managers.scheduler_components.weight_updater import (
 from sglang.srt.utils.torch_memory_saver_adapter import _TorchMemorySaverAdapterNoop
 
 from conftest import build_stack
-from sglang_kvbm.ops.demo.server import free_port
 from harness.disk import event_hash, load_exact, on_disk_only
+from sglang_kvbm.ops.demo.server import free_port
 
 pytestmark = pytest.mark.usefixtures("loads_wait_for_their_reads")  # what a load serves, not how long it waits
 
@@ -267,9 +267,9 @@ def test_real_server_update_weights_from_disk_moves_the_disk_tier(model_dir, tmp
     is told in process (``test_weights_updated_without_a_flush_drop_the_tiers_and_a_restart_reads_nothing_written_after``),
     without a second server start."""
     import requests
+    from test_server_disk import start
 
     from sglang_kvbm.ops.demo.model import prompt_ids
-    from test_server_disk import start
 
     directory = tmp_path / "kvbm-disk"
     before, after = ([prompt_ids(seed, 600) for seed in seeds] for seeds in ((20, 21, 22), (30, 31, 32)))

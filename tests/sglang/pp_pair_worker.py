@@ -19,8 +19,9 @@ import torch
 
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # its folder, tests/
 
-from conftest import GatedExecutor, Stack  # noqa: E402
 from tp_pair_worker import admit, disagree_on, race_on  # noqa: E402
+
+from conftest import GatedExecutor, Stack  # noqa: E402
 
 SIZE, PAGE, LAYERS = 64, 4, 2
 

@@ -55,6 +55,7 @@ def main(rank: int, port: int, out: str, root: str) -> None:
     sys.path.insert(0, str(HERE))
     import pp_pair_worker
     import tp_pair_worker
+
     from sglang_kvbm.manager import lookups
 
     # Loads must land whatever the machine is doing (conftest.loads_wait_for_their_reads); the one

@@ -17,8 +17,8 @@ import pytest
 pytest.importorskip("sglang.srt.mem_cache.unified_cache.linker_factory", reason="SGLang before 0.5.23 builds these "
                     "hybrid pools without a linker factory (compat refuses or serves them; see test_startup_refusals)")
 
-from harness.hybrid import admit, build, equal, kv_bytes
 from harness.disk import data_offset, flip_bit, segment_path
+from harness.hybrid import admit, build, equal, kv_bytes
 
 # loads must land whatever the machine is doing (not this file's subject: test_disk_lanes.py tests the budget)
 pytestmark = pytest.mark.usefixtures("loads_wait_for_their_reads")

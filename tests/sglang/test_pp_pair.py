@@ -8,9 +8,9 @@ pair a collective with another kind (in production a hang).
 """
 
 import pytest
+from rank_pair import results
 
 from conftest import needs_refusable_loads
-from rank_pair import results
 
 # Two ranks (or stages) of the 0.5.22-on scheduler flow, refusals included. On SGLang 0.5.21 every rank pins at
 # lookup what it reports and SGLang intersects the lengths (MIN), so no rank is ever asked for more than it pinned.

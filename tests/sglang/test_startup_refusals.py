@@ -187,9 +187,9 @@ def test_what_the_seam_cannot_carry_is_refused_with_the_reason(tmp_path):
 
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
+    from harness.hybrid import build
     from sglang_kvbm.integration.sglang.kv_pool import UnsupportedPoolError
     from sglang_kvbm.integration.sglang.pool_group import describe_pools
-    from harness.hybrid import build
 
     h = build("swa", tmp_path)
     params = h.cache.cache_init_params

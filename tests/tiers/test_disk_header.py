@@ -13,10 +13,10 @@ import logging
 import pytest
 import torch
 
-from sglang_kvbm.core.pages import one_page
-from sglang_kvbm.tiers.format import BlockHeader, decode_header, encode_header, header_bytes_for
-from sglang_kvbm.tiers.disk.store import DiskStore
 from harness.disk import disk_stored, load_exact, on_disk_only, push_out_of_host
+from sglang_kvbm.core.pages import one_page
+from sglang_kvbm.tiers.disk.store import DiskStore
+from sglang_kvbm.tiers.format import BlockHeader, decode_header, encode_header, header_bytes_for
 
 pytestmark = pytest.mark.usefixtures("loads_wait_for_their_reads")  # what a load serves, not how long it waits
 

@@ -20,9 +20,9 @@ import xxhash
 from sglang.srt.disaggregation.kv_events import BlockStored
 
 from conftest import build_stack, chain_links
+from harness.disk import flip_bit, header_offset, load_exact, medium, on_disk_only, segment_path, slot_of
 from sglang_kvbm.tiers.disk import rebuild
 from sglang_kvbm.tiers.format import MAGIC, decode_header, encode_header
-from harness.disk import flip_bit, header_offset, load_exact, medium, on_disk_only, segment_path, slot_of
 
 pytestmark = pytest.mark.usefixtures("loads_wait_for_their_reads")  # what a load serves, not how long it waits
 

@@ -45,7 +45,6 @@ from harness.disk import (
     on_disk_only,
     push_out_of_host,
     segment_path,
-    slot_of,
 )
 from harness.permissions import make_unwritable, make_writable
 from sglang_kvbm.config import ConfigError

@@ -16,8 +16,8 @@ import time
 import pytest
 import torch
 
-from sglang_kvbm.core.pages import one_page
 from harness.mooncake import MooncakeCluster
+from sglang_kvbm.core.pages import one_page
 from sglang_kvbm.tiers.mooncake import listeners
 from sglang_kvbm.tiers.mooncake.store import MooncakeSettings, MooncakeStore, key_prefix, object_suffix
 from sglang_kvbm.transfer.host_memory import aligned_empty

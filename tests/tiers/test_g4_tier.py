@@ -15,10 +15,10 @@ import time
 
 import pytest
 
+from harness.disk import load_exact
+from harness.mooncake import MooncakeCluster
 from sglang_kvbm.config import ConfigError, KvbmConfig
 from sglang_kvbm.integration.sglang.build import Identity
-from harness.mooncake import MooncakeCluster
-from harness.disk import load_exact
 
 TOKENS = list(range(500, 532))  # 8 pages of 4
 

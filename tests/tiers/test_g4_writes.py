@@ -20,13 +20,13 @@ from concurrent.futures import wait
 import pytest
 import torch
 
+from harness.mooncake import MooncakeCluster
 from sglang_kvbm.core.pages import one_page
 from sglang_kvbm.core.ports import StoreRequest
-from harness.mooncake import MooncakeCluster
+from sglang_kvbm.manager.block_manager import LocalBlockManager
 from sglang_kvbm.tiers.disk.setup import probe
 from sglang_kvbm.tiers.disk.store import DiskStore
 from sglang_kvbm.tiers.disk.tier import DiskTier
-from sglang_kvbm.manager.block_manager import LocalBlockManager
 from sglang_kvbm.tiers.mooncake.store import MooncakeSettings, MooncakeStore
 from sglang_kvbm.tiers.mooncake.tier import MooncakeTier
 from sglang_kvbm.transfer import copies

@@ -16,10 +16,10 @@ import time
 import pytest
 
 from conftest import needs_nixl_1_3
+from harness.disk import load_exact
+from harness.s3 import ACCESS_KEY, REGION, SECRET_KEY, S3Server
 from sglang_kvbm.config import ConfigError, KvbmConfig
 from sglang_kvbm.integration.sglang.build import Identity
-from harness.s3 import ACCESS_KEY, REGION, SECRET_KEY, S3Server
-from harness.disk import load_exact
 
 pytestmark = needs_nixl_1_3  # NIXL 1.5's OBJ writes to moto never finish here (conftest.NIXL_1_5)
 

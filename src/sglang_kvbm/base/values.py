@@ -14,7 +14,6 @@ import math
 import os
 from typing import Any, Callable
 
-
 GIB = 1 << 30
 
 

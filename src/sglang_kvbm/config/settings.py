@@ -16,7 +16,7 @@ import json
 import logging
 import os
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from sglang_kvbm.base.values import (  # ConfigError: everyone imports it from here
     GIB,
@@ -25,9 +25,7 @@ from sglang_kvbm.base.values import (  # ConfigError: everyone imports it from h
     Var,
     _block_size,
     _bool,
-    _directory,
     _file_path,
-    _gib_or_zero,
     _host,
     _identity_name,
     _port,
@@ -46,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 
 # The variables this library reads, in the order a person would set them.
-_VARS: tuple[_Var, ...] = (
+_VARS: tuple[Var, ...] = (
     Var("DYN_KVBM_CPU_CACHE_GB", "cpu_cache_gb", _positive_float, "host (G2) tier size in GiB"),
     Var(
         "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS",

@@ -27,16 +27,16 @@ import logging
 from concurrent.futures import Executor, Future, wait
 from typing import Optional, Protocol, Sequence
 
+from sglang_kvbm.base.values import GIB
 from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.onboard_policy import OnboardPolicy
 from sglang_kvbm.core.pages import Page
 from sglang_kvbm.core.ports import PollResult, StoreRequest, TierCounts, TierEvent, TierEventKind
-from sglang_kvbm.base.values import GIB
 from sglang_kvbm.core.tiers import DISK, HOST
-from sglang_kvbm.tiers.host.pool import HostBlockPool
 from sglang_kvbm.manager.lookups import LoadPlan, TierReads
-from sglang_kvbm.tiers.lower import LowerTier
 from sglang_kvbm.manager.offloads import Offloads
+from sglang_kvbm.tiers.host.pool import HostBlockPool
+from sglang_kvbm.tiers.lower import LowerTier
 from sglang_kvbm.tiers.staging import ReadStaging
 from sglang_kvbm.transfer.kv_layout import PagedKvLayout
 

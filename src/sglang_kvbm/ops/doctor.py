@@ -29,10 +29,10 @@ import shutil
 from importlib import metadata
 from typing import Optional, TextIO
 
-from sglang_kvbm.config import GIB, ConfigError, KvbmConfig
-from sglang_kvbm.config.settings import hidden_variable
 from sglang_kvbm.base.needs import DISTRIBUTION, installed, pip_install
 from sglang_kvbm.base.versions import SUPPORTED_SGLANG, check_sglang_version
+from sglang_kvbm.config import GIB, ConfigError, KvbmConfig
+from sglang_kvbm.config.settings import hidden_variable
 from sglang_kvbm.tiers import registry
 
 MIB = 1 << 20

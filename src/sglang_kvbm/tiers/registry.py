@@ -48,7 +48,6 @@ class WorkerPools:
     ranks: Mapping[str, int] = dataclasses.field(default_factory=dict)
     served_model_name: str = ""
     mla: bool = False
-    under_scheduler: bool = False  # in SGLang's scheduler process (routers can be told names)
     lanes: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # tests: threads that replace a tier's
 
     @property

@@ -12,9 +12,8 @@ _HOLD = os.environ.get("KVBM_TEST_HOLD_LAYERS")
 _RECORD = os.environ.get("KVBM_TEST_RECORD")
 
 if _HOLD and _RECORD:
-    import time
-
     import sys
+    import time
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests/: the harness
     from harness.import_patch import patch_on_import  # noqa: E402

@@ -23,7 +23,7 @@ def under_dynamo() -> bool:
 def on_launch(config, events: Optional[dict]) -> None:
     """``config``: the worker's ``KvbmConfig``; ``events``: its checked ``--kv-events-config`` (or None)."""
     warn_if_dynamo_will_not_connect(events)
-    if config.has_mooncake and under_dynamo():  # Dynamo's router learns G4's object names from the worker's registration
+    if config.has_mooncake and under_dynamo():  # the router learns G4's object names from the worker's registration
         from sglang_kvbm.integration.dynamo.mooncake import install
 
         install()

@@ -22,11 +22,11 @@ from sglang_kvbm.core.onboard_policy import OnboardPolicy
 from sglang_kvbm.integration.sglang import l3_layout
 from sglang_kvbm.integration.sglang.fingerprint import model_identity, server_fingerprint
 from sglang_kvbm.integration.sglang.pool_group import PoolGroup, describe_pools
-from sglang_kvbm.tiers.disk.store import DiskStore
 from sglang_kvbm.manager.block_manager import LocalBlockManager
 from sglang_kvbm.manager.build import build_managers
-from sglang_kvbm.tiers.registry import WorkerPools
 from sglang_kvbm.manager.sidecars import SidecarStores
+from sglang_kvbm.tiers.disk.store import DiskStore
+from sglang_kvbm.tiers.registry import WorkerPools
 from sglang_kvbm.transfer.kv_layout import PagedKvLayout
 
 logger = logging.getLogger(__name__)
@@ -92,19 +92,17 @@ def build_tiers(
     worker = WorkerPools(
         names=tuple(name for name, _ in pools), layouts=tuple(layouts), shares=tuple(shares), fingerprint=fingerprint,
         ranks=identity.ranks, served_model_name=identity.served_model_name,
-        mla=isinstance(kvcache, MLATokenToKVPool), under_scheduler="sglang.srt.managers.scheduler" in sys.modules,
+        mla=isinstance(kvcache, MLATokenToKVPool),
         lanes={"disk_writer": disk_writer, "disk_reader": disk_reader},
     )
     built = build_managers(config, worker, allocator.size // params.page_size, observer=observer,
                            executor=offload_executor)
-    managers, policy, summary, row_bytes, host_blocks = (built.managers, built.policy, built.summary, built.row_bytes,
-                                                         built.host_blocks)
+    managers = built.managers
     store = built.names.get("mooncake")
-    if store is not None and worker.under_scheduler:  # tell routers G4's object names, through SGLang's channel
+    if store is not None and "sglang.srt.managers.scheduler" in sys.modules:  # routers learn G4's names from SGLang
         l3_layout.advertise(l3_layout.layout(store, page_size=layout.page_size, mla=worker.mla,
                                              tp_size=int(identity.ranks.get("tp_size", 1)),
                                              pp_size=int(identity.ranks.get("pp_size", 1))))
-    manager = managers[0]
     sidecars = SidecarStores({s.name: (m, s.window) for s, m in zip(group.sidecars, managers[1:])})
     per_pool = ", ".join(
         f"{name} {m.layout.block_bytes} bytes in {len(m.layout.buffer_page_bytes)} buffers"
@@ -116,12 +114,12 @@ def build_tiers(
         "kvbm: page %d tokens, %d bytes a KV block with its share of the other pools (%s; %d layers; "
         "`sglang-kvbm doctor --block-bytes %d --page-size %d` checks the room for it); host tier %d blocks "
         "(%.2f GiB%s); below host: %s",
-        params.page_size, row_bytes, per_pool, layout.num_layers, row_bytes, params.page_size, host_blocks,
-        sum(m.host.capacity * m.layout.block_bytes for m in managers if m.host is not None) / GIB,
-        ", pinned" if layout.is_cuda else "", "; ".join(summary),
+        params.page_size, built.row_bytes, per_pool, layout.num_layers, built.row_bytes, params.page_size,
+        built.host_blocks, sum(m.host.capacity * m.layout.block_bytes for m in managers if m.host is not None) / GIB,
+        ", pinned" if layout.is_cuda else "", "; ".join(built.summary),
     )
     warn_small_pages(params.page_size, layout.block_bytes)
-    return Tiers(layout, manager, policy, group, sidecars)
+    return Tiers(layout, managers[0], built.policy, group, sidecars)
 
 
 SMALL_PAGE = 8  # below this a block is a handful of tokens, and per-block work dominates

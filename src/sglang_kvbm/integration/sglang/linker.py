@@ -26,8 +26,12 @@ from sglang_kvbm.integration.sglang import hooks
 from sglang_kvbm.integration.sglang.admission import Admissions
 from sglang_kvbm.integration.sglang.build import build_tiers
 from sglang_kvbm.integration.sglang.cache_wrappers import wrap_cache
-from sglang_kvbm.integration.sglang.compat import (event_format, offload_ready_events,
-                                                   refuse_what_this_sglang_cannot_carry, seam)
+from sglang_kvbm.integration.sglang.compat import (
+    event_format,
+    offload_ready_events,
+    refuse_what_this_sglang_cannot_carry,
+    seam,
+)
 from sglang_kvbm.integration.sglang.event_order import EventOrderer
 from sglang_kvbm.integration.sglang.events import SglangEventSink
 from sglang_kvbm.integration.sglang.flags import check_installed_sglang

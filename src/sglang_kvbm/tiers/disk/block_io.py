@@ -20,6 +20,8 @@ from typing import Optional, Sequence
 import torch
 
 from sglang_kvbm.core.pages import Page
+from sglang_kvbm.tiers.disk.nixl_io import DiskIOError
+from sglang_kvbm.tiers.disk.slot_index import DiskEntry, Reservation
 from sglang_kvbm.tiers.format import (
     BlockHeader,
     HeaderTooLarge,
@@ -28,8 +30,6 @@ from sglang_kvbm.tiers.format import (
     encode_header,
     header_fits,
 )
-from sglang_kvbm.tiers.disk.nixl_io import DiskIOError
-from sglang_kvbm.tiers.disk.slot_index import DiskEntry, Reservation
 
 # ``store`` below is the ``store.DiskStore`` whose slots are moved (its segments, io, identity, stats).
 

@@ -15,8 +15,8 @@ import os
 import time
 from typing import Callable, Optional
 
-from sglang_kvbm.base.values import ConfigError
 from sglang_kvbm.base.needs import pip_install
+from sglang_kvbm.base.values import ConfigError
 
 Descriptors = list[tuple[int, int, int]]  # (address or offset, length, device id / fd)
 

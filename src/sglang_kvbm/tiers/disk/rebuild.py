@@ -55,8 +55,8 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 import xxhash
 
 from sglang_kvbm.base.progress import Progress
-from sglang_kvbm.tiers.format import MAGIC, BlockHeader, parse_header
 from sglang_kvbm.tiers.disk.nixl_io import DiskIOError
+from sglang_kvbm.tiers.format import MAGIC, BlockHeader, parse_header
 from sglang_kvbm.transfer.host_memory import aligned_empty
 
 if TYPE_CHECKING:

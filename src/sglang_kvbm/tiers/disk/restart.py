@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from sglang_kvbm.core.pages import Page
-from sglang_kvbm.tiers.format import BlockHeader
 from sglang_kvbm.tiers.disk.journal import IndexJournal
 from sglang_kvbm.tiers.disk.rebuild import IndexRebuild
 from sglang_kvbm.tiers.disk.slot_index import DiskSlotIndex
+from sglang_kvbm.tiers.format import BlockHeader
 
 if TYPE_CHECKING:
     from sglang_kvbm.tiers.disk.nixl_io import NixlFileIO

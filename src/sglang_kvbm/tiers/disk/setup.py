@@ -19,8 +19,8 @@ import stat as stat_module
 import time
 from pathlib import Path
 
-from sglang_kvbm.base.values import GIB, ConfigError
 from sglang_kvbm.base.progress import Progress
+from sglang_kvbm.base.values import GIB, ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -26,13 +26,13 @@ from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.pages import Page
 from sglang_kvbm.tiers.disk import directory as identity_dir
 from sglang_kvbm.tiers.disk.block_io import DiskStats, read_blocks, write_blocks
-from sglang_kvbm.tiers.format import BlockHeader, header_bytes_for
 from sglang_kvbm.tiers.disk.journal import IndexJournal
 from sglang_kvbm.tiers.disk.nixl_io import DiskIOError, NixlFileIO
 from sglang_kvbm.tiers.disk.restart import IndexRestart
 from sglang_kvbm.tiers.disk.segments import SegmentFiles
 from sglang_kvbm.tiers.disk.setup import DiskProbe
 from sglang_kvbm.tiers.disk.slot_index import DiskEntry, DiskSlotIndex, Reservation
+from sglang_kvbm.tiers.format import BlockHeader, header_bytes_for
 from sglang_kvbm.transfer.host_memory import aligned_empty
 
 logger = logging.getLogger(__name__)

@@ -18,9 +18,9 @@ import os
 import socket
 from typing import Mapping, Optional
 
+from sglang_kvbm.base.needs import pip_install, require
 from sglang_kvbm.base.values import GIB, ConfigError
 from sglang_kvbm.core.offload_filter import FrequencyFilter
-from sglang_kvbm.base.needs import pip_install, require
 from sglang_kvbm.tiers.registry import KindPlan, TierKind, WorkerPools
 
 logger = logging.getLogger(__name__)

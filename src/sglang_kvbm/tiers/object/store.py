@@ -39,10 +39,10 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
+from sglang_kvbm.base.needs import pip_install
 from sglang_kvbm.base.values import ConfigError
 from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.pages import Page
-from sglang_kvbm.base.needs import pip_install
 from sglang_kvbm.tiers.block_objects import sign, tag_of, verify
 from sglang_kvbm.tiers.format import header_bytes_for
 from sglang_kvbm.transfer.host_memory import aligned_empty
