@@ -33,7 +33,7 @@ from sglang_kvbm.core.onboard_policy import OnboardPolicy
 from sglang_kvbm.core.pages import Page
 from sglang_kvbm.core.ports import PollResult, StoreRequest, TierCounts, TierEvent, TierEventKind
 from sglang_kvbm.core.tiers import DISK, HOST
-from sglang_kvbm.manager.lookups import LoadPlan, TierReads
+from sglang_kvbm.manager.lookups import PinnedRows, TierReads
 from sglang_kvbm.manager.offloads import Offloads
 from sglang_kvbm.tiers.host.pool import HostBlockPool
 from sglang_kvbm.tiers.lower import LowerTier
@@ -140,13 +140,13 @@ class LocalBlockManager:
     def servable(self, block_ids: Sequence[BlockId]) -> list[bool]:
         return self.reads.servable(block_ids)
 
-    def acquire(self, block_ids: Sequence[BlockId]) -> Optional[LoadPlan]:
+    def acquire(self, block_ids: Sequence[BlockId]) -> Optional[PinnedRows]:
         return self.reads.acquire(block_ids)
 
-    def release(self, plan: LoadPlan, *, reused: bool = True) -> None:
+    def release(self, plan: PinnedRows, *, reused: bool = True) -> None:
         self.reads.release(plan, reused=reused)
 
-    def load_parts(self, plan: LoadPlan, pages) -> list:
+    def load_parts(self, plan: PinnedRows, pages) -> list:
         return self.reads.load_parts(plan, pages)
 
     # -- the rest of the port --------------------------------------------------------------

@@ -37,8 +37,9 @@ _HOST = bytes(i & 1 for i in range(256))  # ``held_by``'s byte -> 1 where host (
 
 
 @dataclasses.dataclass
-class LoadPlan:
-    """Blocks pinned for one load: host rows, and staging rows holding verified blocks of the tiers below."""
+class PinnedRows:
+    """Blocks pinned for one load: host rows, and staging rows holding verified blocks of the tiers below (this
+    manager's :class:`~sglang_kvbm.core.ports.LoadPlan`)."""
 
     host_ids: list[BlockId]
     host_rows: list[int]
@@ -165,7 +166,7 @@ class TierReads:
             staging.collect()
         return staging.pool.index.run(block_ids[hit:])
 
-    def acquire(self, block_ids: Sequence[BlockId]) -> Optional[LoadPlan]:
+    def acquire(self, block_ids: Sequence[BlockId]) -> Optional[PinnedRows]:
         host, staging = self._host, self._staging
         if host is not None:  # the usual case first: every block in host, pinned in one call (or none is)
             try:
@@ -173,7 +174,7 @@ class TierReads:
             except KeyError:
                 pass
             else:
-                return LoadPlan(list(block_ids), rows, range(len(block_ids)), [], [], [], [], self._generation())
+                return PinnedRows(list(block_ids), rows, range(len(block_ids)), [], [], [], [], self._generation())
         host_rows = host.rows(block_ids) if host is not None else [None] * len(block_ids)
         in_host = list(map(operator.is_not, host_rows, repeat(None)))
         lower = list(compress(block_ids, map(operator.not_, in_host)))
@@ -194,7 +195,7 @@ class TierReads:
             if not all(map(staging.staged, lower)):
                 return None
         positions = range(len(block_ids))
-        plan = LoadPlan(list(compress(block_ids, in_host)), [], list(compress(positions, in_host)),
+        plan = PinnedRows(list(compress(block_ids, in_host)), [], list(compress(positions, in_host)),
                         lower, [], list(compress(positions, map(operator.not_, in_host))),
                         list(map(staging.source.__getitem__, lower)) if lower else [], self._generation())
         if plan.host_ids:
@@ -218,7 +219,7 @@ class TierReads:
     def _first_read_wait(self) -> float:
         return FIRST_READ_WAIT_S if self._wait_floor is None else max(FIRST_READ_WAIT_S, self._wait_floor)
 
-    def release(self, plan: LoadPlan, *, reused: bool = True) -> None:
+    def release(self, plan: PinnedRows, *, reused: bool = True) -> None:
         """The copies of a load are over: unpin; a host hit is a reuse the lower tiers' filters count.
 
         A plan of a generation reset since unpins nothing by id (its pins went
@@ -237,7 +238,7 @@ class TierReads:
                 self._staging.pool.unpin(plan.staged_ids)
             self._staging.pool.release_orphans(plan.staged_rows)
 
-    def load_parts(self, plan: LoadPlan, pages) -> list:
+    def load_parts(self, plan: PinnedRows, pages) -> list:
         """``(slab, rows, device pages, source)`` of a plan, for ``copies.load_batch``; ``pages`` per position
         (the loader's stream selects them); ``source`` is ``host`` or ``staging``."""
 
