@@ -16,6 +16,7 @@ import json
 import os
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -83,15 +84,25 @@ def settle(workers):
     raise AssertionError("copies still in flight after 200 rounds")
 
 
+def all_truths(workers, probes) -> dict:
+    """``{(probe index, worker id): /tiers answer}``, asked all at once: an idle scheduler (--sleep-on-idle)
+    answers /tiers questions at its next step, at most a second away, every question queued by then in that step."""
+    with ThreadPoolExecutor(max_workers=len(probes) * len(workers)) as pool:
+        asked = {(i, w.id): pool.submit(w.truth, tokens, cache_salt=salt)
+                 for i, (tokens, salt) in enumerate(probes) for w in workers}
+    return {key: future.result() for key, future in asked.items()}
+
+
 def agreement(indexer, workers, probes):
     """Compare until the indexer has caught up (it consumes asynchronously); return mismatches."""
     deadline = time.monotonic() + 60  # answers as soon as they agree; 60 s only for a slow machine
     while True:
         mismatches = []
-        for tokens, salt in probes:
+        truths = all_truths(workers, probes)
+        for i, (tokens, salt) in enumerate(probes):
             seen = indexer.query(tokens, cache_salt=salt)
             for w in workers:
-                truth = w.truth(tokens, cache_salt=salt)
+                truth = truths[i, w.id]
                 mine = seen.get(str(w.id), {})
                 got = {"device": mine.get("gpu", 0), "host": mine.get("cpu", 0), "disk": mine.get("disk", 0)}
                 if got != truth:
@@ -144,7 +155,7 @@ def test_indexer_agrees_with_every_worker(model_dir, tmp_path):
             print(f"\nagreement after the workload: {len(probes)} probes x {len(workers)} workers, "
                   f"{len(mismatches)} mismatches; {events} events in {elapsed:.1f}s ({events / elapsed:.0f}/s)")
             assert not mismatches, mismatches[:5]
-            hits = [w.truth(t, s) for t, s in probes for w in workers]
+            hits = list(all_truths(workers, probes).values())
             assert any(h["host"] > h["device"] for h in hits), hits  # probes that exercise the host tier
 
             # A prompt pushed out of the device pool and the host tier, but not off disk. Host rows a disk write
@@ -177,7 +188,7 @@ def test_indexer_agrees_with_every_worker(model_dir, tmp_path):
             workers[0].server.flush_cache()
             settle(workers)
             assert not agreement(indexer, workers, probes)
-            assert all(workers[0].truth(t, s)["disk"] == 0 for t, s in probes)
+            assert all(answer["disk"] == 0 for answer in all_truths(workers[:1], probes).values())
 
             # Disk faults on worker 2: its next disk hits fail verification and leave every tier's view.
             for path in (workers[1].disk_dir).glob("sglang-kvbm-*/seg-*.kv"):
