@@ -207,6 +207,8 @@ def test_g4_listeners_of_a_master_bound_to_loopback(tmp_path):
     with MooncakeCluster(tmp_path, lend="") as cluster:
         found = rows({**G4, "SGLANG_KVBM_MOONCAKE_MASTER": cluster.master_address,
                       "SGLANG_KVBM_MOONCAKE_METADATA": cluster.metadata_url})
+    assert found["G4 advertised address"] == ("ok", "peers reach this worker's G4 memory at 127.0.0.1 (the master is "
+                                              "on loopback: one host; MOONCAKE_LOCAL_HOSTNAME sets it)")
     assert found["G4 master RPC"] == ("ok", f"listens on 127.0.0.1:{cluster.rpc_port} only")
     assert found["G4 master metrics"] == ("ok", f"listens on 127.0.0.1:{cluster.admin_port} only")  # its --metrics_port
     assert found["G4 metadata"][0] == "ok" and "P2PHANDSHAKE: no metadata server" in found["G4 metadata"][1]

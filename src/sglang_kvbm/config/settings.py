@@ -258,7 +258,7 @@ class KvbmConfig:
 
     def _checked(self, environ: Mapping[str, str]) -> "KvbmConfig":
         if self.has_mooncake:  # Mooncake's own variables that break it
-            mooncake.check_environment(environ, self.mooncake_metadata)
+            mooncake.check_environment(environ, self.mooncake_master, self.mooncake_metadata)
         object_tier.check(self)
         return self
 

@@ -12,13 +12,15 @@ from __future__ import annotations
 import urllib.parse
 from typing import Mapping, Optional
 
+from sglang_kvbm.base.needs import pip_install
+from sglang_kvbm.base.values import ConfigError
+
 Row = tuple  # (check, status, detail): doctor.Row's fields (doctor imports this module, not the reverse)
 
 
 def _row(check: str, status: str, detail: str) -> Row:
     return (check, status, detail)
 
-from sglang_kvbm.base.needs import pip_install
 
 EMBEDDED = ("mooncake_master's embedded metadata server always listens on every address (Mooncake 0.3.13 ignores "
             "--http_metadata_server_host)")
@@ -48,10 +50,24 @@ def g4_rows(config, environ: Mapping[str, str]) -> list[Row]:
                         "server)"))
     else:
         rows.append(_row("G4 (Mooncake)", "ok", f"master {config.mooncake_master} and metadata server answer"))
+    _advertised(rows, config.mooncake_master, environ)
     _master(rows, config.mooncake_master)
     _metadata(rows, metadata)
     _transfer_ports(rows, environ)
     return rows
+
+
+def _advertised(rows: list[Row], master: str, environ: Mapping[str, str]) -> None:
+    """What this worker's client advertises to its peers (where they read and write its G4 memory), and why."""
+    from sglang_kvbm.tiers.mooncake.address import VARIABLE, advertised
+
+    try:
+        found = advertised(master, environ)
+    except ConfigError as exc:
+        rows.append(_row("G4 advertised address", "FAIL", str(exc)))
+        return
+    rows.append(_row("G4 advertised address", "ok", f"peers reach this worker's G4 memory at {found.host} "
+                     f"({found.why}; {VARIABLE} sets it)"))
 
 
 def _bound(check: str, found: list, port: int, fix: str) -> Row:

@@ -15,7 +15,6 @@ import argparse
 import importlib.util
 import logging
 import os
-import socket
 from typing import Mapping, Optional
 
 from sglang_kvbm.base.needs import pip_install, require
@@ -32,6 +31,7 @@ def enabled(config) -> bool:
 
 
 def build(config, pools: WorkerPools) -> KindPlan:
+    from sglang_kvbm.tiers.mooncake.address import advertised
     from sglang_kvbm.tiers.mooncake.store import MooncakeSettings, MooncakeStore, object_suffix
     from sglang_kvbm.tiers.mooncake.tier import MooncakeTier
 
@@ -47,8 +47,9 @@ def build(config, pools: WorkerPools) -> KindPlan:
     # One tag for every rank and pipeline stage of the worker (the router is told one): the tp and pp ranks are in
     # each name's suffix instead.
     fingerprint, _ = pools.fingerprint("kv", {"tp_rank": 0, "pp_rank": 0, "dp_rank": 0, "attn_cp_rank": 0})
+    hostname = advertised(config.mooncake_master, os.environ).host  # what peers reach this client's memory at
     settings = MooncakeSettings(config.mooncake_master, config.mooncake_metadata, config.mooncake_protocol,
-                          int(config.mooncake_segment_gb * GIB), hostname=_advertised_host(config.mooncake_master))
+                                int(config.mooncake_segment_gb * GIB), hostname=hostname)
     # --served-model-name names the objects (as HiCache's L3 pages); without one, the tag alone: it names the model by
     # content, where a path or directory name would part two hosts holding the same model
     suffix = object_suffix(int(ranks.get("tp_rank", 0)), mla=pools.mla,
@@ -62,16 +63,6 @@ def build(config, pools: WorkerPools) -> KindPlan:
 
     summary = f"master {config.mooncake_master}, objects {store.prefix}_<page hash>{store.suffix}, write-through"
     return KindPlan([make] + none[1:], summary=summary, names=store)  # routers derive the names from its tag, prefix
-
-
-def _advertised_host(master: str) -> str:
-    """The address other Mooncake clients reach this one at: MOONCAKE_LOCAL_HOSTNAME (SGLang's name for it), else
-    127.0.0.1 beside a local master, else this host's address."""
-    if os.environ.get("MOONCAKE_LOCAL_HOSTNAME"):
-        return os.environ["MOONCAKE_LOCAL_HOSTNAME"]
-    if master.rpartition(":")[0] in ("127.0.0.1", "localhost"):
-        return "127.0.0.1"
-    return socket.gethostbyname(socket.gethostname())
 
 
 def doctor_rows(config, environ: Mapping[str, str]) -> list[tuple]:

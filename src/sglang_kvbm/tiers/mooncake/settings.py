@@ -4,6 +4,7 @@ reads them with the rest)."""
 from __future__ import annotations
 
 from sglang_kvbm.base.values import ConfigError, Var, _bool, _eg, _gib_or_zero
+from sglang_kvbm.tiers.mooncake import address as advertised_address
 
 
 def address(name: str, raw: str) -> str:
@@ -29,11 +30,13 @@ def protocol(name: str, raw: str) -> str:
     return raw.lower()
 
 
-def check_environment(environ, metadata) -> None:
+def check_environment(environ, master, metadata) -> None:
     """What in Mooncake's own environment breaks G4 (checked only with G4 on): ``MC_LEGACY_RPC_PORT_BINDING``
     (any value: Mooncake only asks whether it is there) with a metadata server URL makes the client take its
     transfer RPC port from its local hostname, which carries none, so every ``setup`` fails (rc -1 after ~2 s,
-    measured with Mooncake 0.3.13.post1). With ``P2PHANDSHAKE`` it changes nothing (measured)."""
+    measured with Mooncake 0.3.13.post1). With ``P2PHANDSHAKE`` it changes nothing (measured). And a loopback
+    ``MOONCAKE_LOCAL_HOSTNAME`` facing a master on another address (``address``)."""
+    advertised_address.check(master, environ)  # a loopback MOONCAKE_LOCAL_HOSTNAME facing a master elsewhere
     if "MC_LEGACY_RPC_PORT_BINDING" in environ and metadata != "P2PHANDSHAKE":
         raise ConfigError(
             f"MC_LEGACY_RPC_PORT_BINDING={environ['MC_LEGACY_RPC_PORT_BINDING']!r} is set (any value turns it on, "
