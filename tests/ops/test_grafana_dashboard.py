@@ -33,7 +33,7 @@ GRAFANA_VARIABLES = {"__interval", "__rate_interval", "__range", "__interval_ms"
 # Families declared with no sample unless a remote tier (Mooncake, object storage) is on: a remote tier needs a
 # server process (mooncake_master, an S3 emulator), which this in-process test does not start. Their label names
 # come from the library's declaration instead; any other family without samples fails the test.
-REMOTE_ONLY = {"kvbm_tier_lookup_miss_blocks": PER_TIER["lookup_misses"][2]}
+REMOTE_ONLY = {"kvbm_tier_lookup_miss_blocks": PER_TIER["lookup_misses"][2], "kvbm_tier_up": ["tier"]}
 
 pytestmark = pytest.mark.usefixtures("loads_wait_for_their_reads")
 

@@ -49,3 +49,12 @@ def test_a_request_looked_up_again_replaces_its_entry_in_every_tiers_rate():
     rates.record("b", {"mooncake": 4}, 4)
     rates.record("c", {"host": 4}, 4)  # the window holds two requests: a's entry leaves
     assert rates.rates() == {"mooncake": 0.5, "host": 0.5}
+
+
+def test_each_shared_tier_says_whether_it_is_up():
+    snapshot = {"chain": ["host", "disk", "mooncake", "object"], "disk": {"invalidated": {}},
+                "mooncake": {"lookup_hits": 0, "lookup_misses": 0, "up": False},
+                "object": {"lookup_hits": 0, "lookup_misses": 0, "up": True}}
+    m = scrape(snapshot)
+    assert m['kvbm_tier_up{tier="mooncake"}'] == 0 and m['kvbm_tier_up{tier="object"}'] == 1
+    assert not any(key.startswith("kvbm_tier_up") and "disk" in key for key in m)  # local tiers have no heartbeat

@@ -155,3 +155,31 @@ def test_connect_never_fails_for_its_log_line(cluster, caplog, monkeypatch):
     worker = Worker(cluster)  # asserts connect() is True
     assert worker.write({"p0": 1}) == [True]
     assert not [r for r in caplog.records if "G4 client listens on" in r.getMessage()]
+
+
+def test_a_lost_master_is_noticed_by_the_heartbeat_in_seconds_and_its_return_too(cluster):
+    """No call has to wait out its limit: the heartbeat (a TCP connect about once a second) marks G4 down within
+    about two seconds of losing the master, and up again on its first answer, with a restarted master."""
+    a = Worker(cluster)
+    a.store.start_heartbeat(interval=0.2)
+    try:
+        assert a.write({"p0": 1}) == [True] and not a.store.down
+        cluster.kill_master()
+        lost = time.monotonic()
+        while not a.store.down:
+            assert time.monotonic() - lost < 5, "G4 not marked down 5 s after its master was lost"
+            time.sleep(0.05)
+        noticed = time.monotonic() - lost
+        assert a.store.stats["down"] == 1 and not a.store.available  # lookups and reads skip G4 at once
+        time.sleep(1.0)  # still lost: still down, one window (one log line), not one a beat
+        assert a.store.down and a.store.stats["down"] == 1
+        cluster.start_master()  # the same address: a master restarted after a crash
+        back = time.monotonic()
+        while a.store.down:
+            assert time.monotonic() - back < 5, "G4 not up 5 s after its master answered again"
+            time.sleep(0.05)
+        print(f"\nmarked down {noticed:.2f} s after the master was lost, up {time.monotonic() - back:.2f} s after it "
+              "came back")
+    finally:
+        a.store.close()
+    assert not a.store.available  # closed: the heartbeat stopped, nothing reconnects

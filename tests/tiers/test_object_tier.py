@@ -116,6 +116,25 @@ def test_a_stopped_server_is_a_miss_and_never_a_stall(stack_factory, s3):
     assert b.manager.tiers["object"].ask(b.block_ids(TOKENS)) is None  # POST /tiers: null, not a hang
 
 
+def test_an_endpoint_that_stops_answering_is_marked_down_by_the_heartbeat_and_up_when_it_answers(stack_factory, s3):
+    """No lookup or write needed: the tier's heartbeat (a TCP connect to the endpoint about once a second) marks it
+    down within seconds of the endpoint's loss, and up on its first answer."""
+    tier = worker(stack_factory, s3).manager.tiers["object"]
+    assert not tier.store.down and tier.stats["up"]
+    s3.stop()
+    lost = time.monotonic()
+    while not tier.store.down:
+        assert time.monotonic() - lost < 5, "not marked down 5 s after the endpoint was lost"
+        time.sleep(0.05)
+    assert not tier.stats["up"] and tier.stats["down"] == 1
+    s3.start()  # the same address
+    back = time.monotonic()
+    while tier.store.down:
+        assert time.monotonic() - back < 5, "not up 5 s after the endpoint answered again"
+        time.sleep(0.05)
+    assert tier.stats["up"]
+
+
 @pytest.mark.usefixtures("loads_wait_for_their_reads")
 def test_without_write_through_a_written_block_leaves_the_host_tier(stack_factory, s3):
     """DYN_KVBM_OBJECT_WRITE_THROUGH=0, as KVBM: once in the bucket, a block's host copy goes (and is announced

@@ -71,6 +71,7 @@ def metrics_of(snapshot: dict) -> dict:
         "kvbm_disk_cache_hit_rate": snapshot.get("disk_hit_rate", 0.0),
         "tiers": tiers,
         "invalidated": snapshot.get(DISK.name, {}).get("invalidated", {}),
+        "up": {name: int(bool(tier["up"])) for name, tier in remote.items() if "up" in tier},  # remote tiers
         "per_tier": {  # every tier by name: what it served, took, lost, and (remote tiers) was asked for in vain
             "onboard_blocks": stats.get("onboard_blocks", {}),
             "offload_blocks": stats.get("offload_blocks", {}),

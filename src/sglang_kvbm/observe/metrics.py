@@ -103,6 +103,11 @@ class KvbmMetrics:
         yield blocks
         yield capacity
         yield used
+        up = GaugeMetricFamily("kvbm_tier_up", "Whether a shared tier answers (1) or is marked down (0): its "
+                               "heartbeat or a failed call", labels=["tier"])
+        for tier, value in snap.get("up", {}).items():
+            up.add_metric([tier], value)
+        yield up
         invalid = GaugeMetricFamily(
             "kvbm_disk_invalidated_blocks", "Disk blocks dropped because their bytes could not be verified", labels=["reason"]
         )

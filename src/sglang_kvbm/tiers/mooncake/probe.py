@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import socket
 import urllib.parse
 from typing import Optional
+
+from sglang_kvbm.tiers.heartbeat import unanswered
 
 
 def _http_address(url: str) -> Optional[str]:
@@ -15,15 +16,11 @@ def _http_address(url: str) -> Optional[str]:
     return f"{parsed.hostname}:{parsed.port or (443 if parsed.scheme == 'https' else 80)}"
 
 
-def _reachable(address: str, timeout: float = 1.0) -> bool:
-    host, _, port = address.rpartition(":")
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
+def endpoints(master: str, metadata: str) -> list[str]:
+    """``host:port`` of the master, and of the metadata server when it is a URL."""
+    return [a for a in (master, _http_address(metadata)) if a]
 
 
 def unreachable_endpoints(master: str, metadata: str, timeout: float = 1.0) -> list[str]:
     """``host:port`` of the master and of the metadata server (when it is a URL) that refused or timed out."""
-    return [a for a in (master, _http_address(metadata)) if a and not _reachable(a, timeout)]
+    return unanswered(endpoints(master, metadata), timeout)

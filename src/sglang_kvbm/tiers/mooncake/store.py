@@ -49,8 +49,9 @@ from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.pages import Page
 from sglang_kvbm.tiers.block_objects import sign, tag_of, verify
 from sglang_kvbm.tiers.format import header_bytes_for
+from sglang_kvbm.tiers.heartbeat import Heartbeat
 from sglang_kvbm.tiers.mooncake import listeners
-from sglang_kvbm.tiers.mooncake.probe import unreachable_endpoints
+from sglang_kvbm.tiers.mooncake.probe import endpoints, unreachable_endpoints
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ class MooncakeStore:
         self._down_until = 0.0
         self.last_fault = float("-inf")  # monotonic time of the last failed call (the master may have lost objects)
         self._closed = False
+        self._heartbeat: Optional[Heartbeat] = None
         self._lock = threading.Lock()  # one call at a time (register, reads, writes come from different threads)
         self.stats = {"written": 0, "read": 0, "misses": 0, "rejected": 0, "removed": 0, "down": 0,
                       # the write-through's (writes.MooncakeWrites): blocks not queued (queue full), writes dropped (a
@@ -154,6 +156,17 @@ class MooncakeStore:
                     s.master, client.get_hostname(), s.segment_bytes, self.prefix, self.suffix)
         return True
 
+    def start_heartbeat(self, **kwargs) -> None:
+        """Ask the master (and the metadata server) about once a second whether they answer (``tiers.heartbeat``):
+        a lost master marks G4 down within about two seconds, and its first answer marks it up again."""
+        if self._heartbeat is None and not self._closed:
+            self._heartbeat = Heartbeat("g4", lambda: endpoints(self.settings.master, self.settings.metadata),
+                                        self._fail, self._answers_again, **kwargs)
+
+    def _answers_again(self) -> None:
+        self._down_until = 0.0
+        logger.info("kvbm: G4 (Mooncake) master %s answers again: G4 is up", self.settings.master)
+
     @property
     def down(self) -> bool:
         """Marked down after a failure, until ``retry_s`` passed (cheap: any thread may ask)."""
@@ -193,6 +206,8 @@ class MooncakeStore:
     def close(self) -> None:
         """Leave the store (what this worker lent leaves with it); later calls answer "miss" and never reconnect."""
         self._closed = True
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
         with self._lock:  # after the call under way, if any
             client, self._client = self._client, None
             if client is not None:

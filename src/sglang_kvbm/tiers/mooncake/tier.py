@@ -49,6 +49,7 @@ class MooncakeTier:
         self._reads = RemoteReads(NAME, self._lane, store.header_bytes + store.block_bytes, observe)
         self._emit: Callable[[TierEvent], None] = lambda event: None
         self.staged = 0
+        store.start_heartbeat()  # a lost master is noticed in seconds, not by a call that waits out its limit
 
     @property
     def stats(self) -> dict:

@@ -45,6 +45,7 @@ from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.pages import Page
 from sglang_kvbm.tiers.block_objects import sign, tag_of, verify
 from sglang_kvbm.tiers.format import header_bytes_for
+from sglang_kvbm.tiers.heartbeat import Heartbeat
 from sglang_kvbm.transfer.host_memory import aligned_empty
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ class ObjectStore:
         self._device_ids = itertools.count(1)
         self._down_until = 0.0
         self._closed = False
+        self._heartbeat: Optional[Heartbeat] = None
         self.stats = {"written": 0, "read": 0, "misses": 0, "rejected": 0, "down": 0, "abandoned_buffers": 0}
 
     def rekey(self, fingerprint: bytes) -> None:
@@ -104,6 +106,22 @@ class ObjectStore:
                            exc, self.retry_s)
             self.stats["down"] += 1
         self._down_until = time.monotonic() + self.retry_s
+
+    def start_heartbeat(self, **kwargs) -> None:
+        """Ask the endpoint about once a second whether it accepts a connection (``tiers.heartbeat``); none for AWS's
+        own endpoint (unset ``DYN_KVBM_OBJECT_ENDPOINT``), whose calls' failures alone mark the tier down."""
+        endpoint = self.settings.endpoint
+        if endpoint is None or self._heartbeat is not None or self._closed:
+            return
+        parsed = urllib.parse.urlsplit(endpoint)
+        address = f"{parsed.hostname}:{parsed.port or (443 if parsed.scheme == 'https' else 80)}"
+        self._heartbeat = Heartbeat("object", lambda: [address],
+                                    lambda why: self._fail("heartbeat", ConnectionError(why)), self._answers_again,
+                                    **kwargs)
+
+    def _answers_again(self) -> None:
+        self._down_until = 0.0
+        logger.info("kvbm: object storage %s answers again: the object tier is up", self.settings.endpoint)
 
     def _client(self):
         """The NIXL agent with the OBJ backend, made on first use (0.07 s), or None while down or closed."""
@@ -256,6 +274,8 @@ class ObjectStore:
     def close(self) -> None:
         """No more calls (the tier's thread has stopped)."""
         self._closed = True
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
         if self._agent is not None:
             for abandoned in self._abandoned:
                 self._release(abandoned)

@@ -87,6 +87,7 @@ class ObjectTier:
         self._writes: collections.deque[_Write] = collections.deque()
         self._pending: set = set()
         self._queue_blocks = max(1, min(host.capacity // 2, QUEUE_BYTES // store.slot_bytes))
+        store.start_heartbeat()  # an endpoint that stops answering is noticed in seconds
         self._reads = RemoteReads(NAME, self._lane, store.slot_bytes, observe)  # a hung server takes 3 s to fail one
         self._emit: Callable[[TierEvent], None] = lambda event: None
         self._closed = False
