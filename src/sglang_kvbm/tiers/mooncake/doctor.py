@@ -10,7 +10,7 @@ be firewalled. README "What listens where" has the measurements.
 from __future__ import annotations
 
 import urllib.parse
-from typing import Mapping, Optional
+from typing import Mapping
 
 from sglang_kvbm.base.needs import pip_install
 from sglang_kvbm.base.values import ConfigError
@@ -79,16 +79,12 @@ def _bound(check: str, found: list, port: int, fix: str) -> Row:
     return _row(check, "ok", f"listens on {addresses} only")
 
 
-def _split(address: str) -> tuple[str, Optional[int]]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port) if port.isdigit() else None
-
-
 def _master(rows: list[Row], master: str) -> None:
     """The master's RPC (the configured address) and its metrics port (from its command line), when it runs here."""
+    from sglang_kvbm.tiers.mooncake.address import split
     from sglang_kvbm.tiers.mooncake.listeners import command_line, flag, is_local, listening_on, owner
 
-    host, port = _split(master)
+    host, port = split(master)
     if port is None or not is_local(host):
         rows.append(_row("G4 master listeners", "info", f"{master} is another machine's: start mooncake_master there "
                         "with --rpc_address and --metrics_host set to the address you name (both default to 0.0.0.0)"))
