@@ -280,6 +280,7 @@ def exposition(stack_factory, tmp_path) -> str:
     # served from disk: offloaded device -> host -> disk, pushed out of the host tier, loaded back
     on_disk = list(range(200, 216))
     load_exact(stack, on_disk, on_disk_only(stack, on_disk, seed=7), rid="disk")
+    stack.settle()  # the read is kept in host (its copy takes host rows until it is collected)
     # served from host
     on_host = list(range(400, 416))
     written = stack.insert(on_host, seed=8)

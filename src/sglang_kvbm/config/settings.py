@@ -76,6 +76,9 @@ _VARS: tuple[Var, ...] = (
          "host memory (pinned on CUDA) that reads from disk and the shared tiers land in before the device copy "
          "(default 1 GiB, at most the device pool): the longest prefix one load brings from below host, the rest "
          "of a longer hit is recomputed"),
+    Var("SGLANG_KVBM_KEEP_READS", "keep_reads", _bool,
+         "keep what a load read from disk or a shared tier in the host tier, announced CPU_PINNED (default on; 0: "
+         "such reads are staged for the load only)"),
     Var(
         "DYN_KVBM_CACHE_STATS_MAX_REQUESTS",
         "cache_stats_max_requests",
@@ -179,6 +182,7 @@ class KvbmConfig:
     cache_stats_max_requests: int = 1000
     load_wait_ms: Optional[float] = None
     read_staging_gb: Optional[float] = None
+    keep_reads: bool = True
     mooncake_master: Optional[str] = None
     mooncake_metadata: Optional[str] = None
     mooncake_protocol: str = "tcp"

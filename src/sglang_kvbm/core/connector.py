@@ -164,7 +164,7 @@ class KvbmConnector:
 
     def release(self, plan: LoadPlan, *, landed: bool) -> None:
         """The copies of a load are over; count it if its bytes reached the device."""
-        self._manager.release(plan)
+        self._manager.release(plan, reused=landed)
         if landed:
             self.stats.onboard_blocks.update(plan.by_tier)
             self.stats.matched_tokens += plan.blocks * self._page_size

@@ -14,7 +14,9 @@ copies run on workers, see ``transfer.copies``):
   host hit, is offered to every lower tier, whose own filter decides (KVBM's
   frequency filter: once it was reused), its host row pinned meanwhile;
 * back to the device: host blocks directly, lower tiers' blocks through
-  verified staging rows, one layer at a time (``transfer.copies.load_layer``).
+  verified staging rows, one layer at a time (``transfer.copies.load_layer``);
+  once such a load landed, its staged blocks join the host tier
+  (``kept_reads``: the worker that paid for the read holds it).
 
 A block becomes visible (and is announced) in a tier only once its bytes are
 completely there and its parent is held somewhere below; :meth:`poll` is
@@ -33,6 +35,7 @@ from sglang_kvbm.core.onboard_policy import OnboardPolicy
 from sglang_kvbm.core.pages import Page
 from sglang_kvbm.core.ports import PollResult, StoreRequest, TierCounts, TierEvent, TierEventKind
 from sglang_kvbm.core.tiers import DISK, HOST
+from sglang_kvbm.manager.kept_reads import KeptReads
 from sglang_kvbm.manager.lookups import PinnedRows, TierReads
 from sglang_kvbm.manager.offloads import Offloads
 from sglang_kvbm.tiers.host.pool import HostBlockPool
@@ -63,13 +66,15 @@ class LocalBlockManager:
         executor: Optional[Executor] = None,
         load_timeout: float = 30.0,
         wait_floor: Optional[float] = None,
+        keep_reads: bool = True,
     ) -> None:
         """``tiers``: the lower tiers in chain order, or callables that build one from this manager (``registry``);
         ``executor`` (tests) replaces the device -> host worker.
 
         ``load_timeout`` caps how long a load waits for its own reads (the
         read meter's estimate for them usually ends the wait much sooner); ``wait_floor``
-        (seconds) is the least it waits for them (``lookups.WAIT_FLOOR_S`` if None).
+        (seconds) is the least it waits for them (``lookups.WAIT_FLOOR_S`` if None); ``keep_reads``: a landed load's
+        blocks from below host join the host tier (``kept_reads``).
         """
         self.layout = layout
         self.host = HostBlockPool(layout.host_slab(host_blocks, pin=pin)) if host_blocks else None
@@ -91,12 +96,18 @@ class LocalBlockManager:
             self.staging = ReadStaging(layout, built, blocks)
         self.reads = TierReads(layout, self.host, built, self.staging, policy,
                                self._offer if built else None, load_timeout, self.generation, wait_floor)
+        self.kept: Optional[KeptReads] = None
+        if keep_reads and self.host is not None and self.staging is not None:
+            self.kept = KeptReads(self.host, self.staging, self._events.append, self.observe, self.offloads.reachable,
+                                  self.generation)
+            self.reads.keep = self.kept.keep
 
     @property
     def stats(self) -> dict:
         """What the manager itself counts (``/stats`` ``local``): offloads from the device, and loads' waits."""
         reads = self.reads
-        return {**self.offloads.stats.__dict__, "load_waits": reads.load_waits,
+        kept = self.kept.stats if self.kept is not None else {}
+        return {**self.offloads.stats.__dict__, **kept, "load_waits": reads.load_waits,
                 "load_waits_expired": reads.load_waits_expired, "remote_waits_expired": reads.remote_waits_expired}
 
     def generation(self) -> int:
@@ -119,6 +130,8 @@ class LocalBlockManager:
         done = self.offloads.collect()
         if self.staging is not None:
             self.staging.collect()
+        if self.kept is not None:
+            self.kept.collect()
         if self.tiers:
             for event in list(self._events):  # every block the host tier registered is offered below it
                 if event.kind is TierEventKind.STORED and event.tier == HOST.name:
@@ -158,6 +171,8 @@ class LocalBlockManager:
 
     def in_flight(self) -> list[Future]:
         futures = self.offloads.futures() + (self.staging.in_flight() if self.staging is not None else [])
+        if self.kept is not None:
+            futures += self.kept.futures()
         for tier in self.tiers.values():
             futures += tier.in_flight()
         return futures
@@ -205,6 +220,8 @@ class LocalBlockManager:
             return
         self._closed = True
         self.offloads.shutdown()
+        if self.kept is not None:
+            self.kept.shutdown()
         for tier in self.tiers.values():
             tier.stop()
         self.poll()  # what ended, registered, before the files and clients go

@@ -54,5 +54,6 @@ def build_managers(config, worker: WorkerPools, device_pages: int, *, observer=N
             staging_blocks=pool_blocks(staging_blocks, share),
             policy=built.policy, observer=observer if kv else None, executor=executor if kv else None,
             wait_floor=None if config.load_wait_ms is None else config.load_wait_ms / 1000,
+            keep_reads=config.keep_reads,
         ))
     return WorkerManagers(managers, built.policy, built.summary, built.names, row_bytes, host_blocks)

@@ -92,6 +92,7 @@ class TierReads:
         self._offer_reused = offer_reused
         self._load_timeout = load_timeout
         self._generation = generation
+        self.keep: Optional[Callable] = None  # (staged ids, their tiers): a landed load's reads kept in host
         self.load_waits = self.load_waits_expired = self.remote_waits_expired = 0
 
     def _held(self, block_ids: Sequence[BlockId], *, staged: bool) -> tuple[int, bytes]:
@@ -220,7 +221,8 @@ class TierReads:
         return FIRST_READ_WAIT_S if self._wait_floor is None else max(FIRST_READ_WAIT_S, self._wait_floor)
 
     def release(self, plan: PinnedRows, *, reused: bool = True) -> None:
-        """The copies of a load are over: unpin; a host hit is a reuse the lower tiers' filters count.
+        """The copies of a load are over: unpin; a host hit is a reuse the lower tiers' filters count, and a
+        landed (``reused``) load's staged blocks are kept in host (``keep``, ``kept_reads``) before they are unpinned.
 
         A plan of a generation reset since unpins nothing by id (its pins went
         with the tiers; a newer pin of the same block may exist): it only frees
@@ -234,6 +236,8 @@ class TierReads:
             if current and reused and self._offer_reused is not None:
                 self._offer_reused(host.metas_of(plan.host_ids))
         if plan.staged_ids:
+            if current and reused and self.keep is not None:
+                self.keep(plan.staged_ids, plan.staged_from)
             if current:
                 self._staging.pool.unpin(plan.staged_ids)
             self._staging.pool.release_orphans(plan.staged_rows)

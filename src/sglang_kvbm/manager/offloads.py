@@ -179,7 +179,7 @@ class Offloads:
             return False
         result = job.future.result()
         metas, seconds = result[0], result[-1]
-        reachable = self._reachable(metas, set(job.ids))
+        reachable = self.reachable(metas, set(job.ids))
         if reachable < len(metas):  # a page whose parent is held nowhere below could never be hit
             self.stats.blocks_dropped_unreachable += len(metas) - reachable
         keep = metas[:reachable]
@@ -197,7 +197,7 @@ class Offloads:
             reachable = len(registered)
         return reachable == len(metas)
 
-    def _reachable(self, metas: Sequence[Page], ids: set) -> int:
+    def reachable(self, metas: Sequence[Page], ids: set) -> int:
         """How many leading pages have their parent in this copy or held below (registered or on its way).
 
         Only pages whose parent is outside the copy (usually the first alone) are looked up; finding them is C."""

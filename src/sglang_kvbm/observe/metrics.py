@@ -45,7 +45,7 @@ KVBM_GAUGES = {
     "kvbm_host_cache_hit_rate": "Host cache hit rate (0.0-1.0)",
     "kvbm_disk_cache_hit_rate": "Disk cache hit rate (0.0-1.0)",
 }
-TRANSFER_PATHS = ("d2h", "h2d", "d2d", "onboard_h2d", "onboard_d2d")
+TRANSFER_PATHS = ("d2h", "h2d", "d2d", "onboard_h2d", "onboard_d2d", "s2h")
 _BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
 
 

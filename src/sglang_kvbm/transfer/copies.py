@@ -10,6 +10,7 @@ Each function runs on the worker thread that owns its path and its buffers
 (DEVICE, DISK)         :func:`device_to_disk`          ``kvbm-disk-write``
 (HOST, DISK)           :func:`host_to_disk`            ``kvbm-disk-write``
 (DISK, staging)        :func:`disk_to_staging`         ``kvbm-disk-read``
+(staging, HOST)        :func:`staging_to_host`         ``kvbm-offload``
 (HOST/staging, DEVICE) :func:`load_layer`              the engine's loader
 =====================  ==============================  ===================
 
@@ -94,6 +95,20 @@ def disk_to_staging(disk, entries, slab, header_slab, rows) -> tuple[list[tuple[
     started = time.perf_counter()
     failed = disk.read(entries, [slab[row] for row in rows], [header_slab[row] for row in rows])
     return failed, time.perf_counter() - started
+
+
+def staging_to_host(staging, staging_rows, slab, rows) -> float:
+    """Staged blocks a load used into host rows (``manager.kept_reads``), one copy per run of rows consecutive on
+    both sides (no temporary the size of the batch); the seconds it took."""
+    started = time.perf_counter()
+    n, i = len(rows), 0
+    while i < n:
+        j = i + 1
+        while j < n and staging_rows[j] == staging_rows[j - 1] + 1 and rows[j] == rows[j - 1] + 1:
+            j += 1
+        slab[rows[i] : rows[i] + j - i].copy_(staging[staging_rows[i] : staging_rows[i] + j - i])
+        i = j
+    return time.perf_counter() - started
 
 
 @dataclasses.dataclass(frozen=True)
