@@ -60,16 +60,19 @@ class DynamoFrontend(_Process):
         extra_args: Sequence[str] = (),
         env: Optional[Mapping[str, str]] = None,
         log_path: Optional[str | Path] = None,
+        on_host=None,
     ) -> None:
+        """``on_host``: a :class:`harness.fleet.Host` (its address, namespace), else 127.0.0.1 on this machine."""
+        host = on_host.address if on_host is not None else "127.0.0.1"
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         args = [
             dynamo_python(), "-m", "dynamo.frontend",
             "--router-mode", "kv",
-            "--http-host", "127.0.0.1", "--http-port", str(self.port),
+            "--http-host", host, "--http-port", str(self.port),
             *extra_args,
         ]
-        super().__init__(args, {**dynamo_env(discovery_dir), **(env or {})}, log_path)
+        super().__init__(args, {**dynamo_env(discovery_dir, host), **(env or {})}, log_path, on_host)
 
     def instances(self) -> set[int]:
         """Instance ids serving the workers' ``generate`` endpoint, as the frontend discovered them."""
@@ -180,8 +183,10 @@ class DynamoWorker(_Process):
         env: Optional[Mapping[str, str]] = None,
         log_path: Optional[str | Path] = None,
         label: str = "",
+        on_host=None,
     ) -> None:
         self.name = f"dynamo.sglang {label}".strip()
+        self.host = host = on_host.address if on_host is not None else "127.0.0.1"
         self.kvbm = kvbm
         self.page_size = page_size
         self.system_port = system_port()  # Dynamo's status server: /health, /metrics
@@ -201,19 +206,20 @@ class DynamoWorker(_Process):
             *(["--radix-cache-backend", "kvbm"] if kvbm else []),
             *extra_args,
         ]
-        worker_env = {**dynamo_env(discovery_dir), "DYN_SYSTEM_PORT": str(self.system_port), **(env or {})}
+        worker_env = {**dynamo_env(discovery_dir, host), "DYN_SYSTEM_PORT": str(self.system_port), **(env or {})}
         if kvbm:
             worker_env.update({
                 "DYN_KVBM_METRICS": "true",
                 "DYN_KVBM_METRICS_PORT": str(self.kvbm_port),
+                "SGLANG_KVBM_HTTP_HOST": host,
                 "SGLANG_KVBM_ROUTER_BLOCK_SIZE": str(page_size),
                 **(kvbm_env or {}),
             })
-        super().__init__(args, worker_env, log_path)
+        super().__init__(args, worker_env, log_path, on_host)
 
     def wait_ready(self, timeout: float = 600.0) -> "DynamoWorker":
         """Until Dynamo's status server says every endpoint is ready; then reads the worker's instance id."""
-        base = f"http://127.0.0.1:{self.system_port}"
+        base = f"http://{self.host}:{self.system_port}"
 
         def ready() -> bool:
             if requests.get(f"{base}/health", timeout=5).json().get("status") != "ready":
@@ -228,10 +234,10 @@ class DynamoWorker(_Process):
 
     def tiers(self, token_ids: Sequence[int]) -> dict:
         """This library's own answer: tokens each tier would serve now, cumulative (``POST /tiers``)."""
-        response = requests.post(f"http://127.0.0.1:{self.kvbm_port}/tiers", json={"token_ids": list(token_ids)},
+        response = requests.post(f"http://{self.host}:{self.kvbm_port}/tiers", json={"token_ids": list(token_ids)},
                                  timeout=30)
         response.raise_for_status()
         return response.json()
 
     def stats(self) -> dict:
-        return requests.get(f"http://127.0.0.1:{self.kvbm_port}/stats", timeout=30).json()
+        return requests.get(f"http://{self.host}:{self.kvbm_port}/stats", timeout=30).json()

@@ -42,18 +42,19 @@ def require_dynamo() -> Path:
     return python
 
 
-def dynamo_env(discovery_dir: str | Path) -> dict[str, str]:
+def dynamo_env(discovery_dir: str | Path, host: str = "127.0.0.1") -> dict[str, str]:
     """What every process of one deployment shares: file discovery in ``discovery_dir``, TCP requests,
-    ZMQ events, all on loopback."""
+    ZMQ events, each process reached at ``host`` (its own host's address; one machine: loopback)."""
     return {
         "DYN_DISCOVERY_BACKEND": "file",
         "DYN_FILE_KV": str(discovery_dir),
         "DYN_REQUEST_PLANE": "tcp",
         "DYN_EVENT_PLANE": "zmq",
-        # Dynamo advertises this machine's outward address for its request and event planes
-        # unless told otherwise; one machine needs only loopback.
-        "DYN_TCP_RPC_HOST": "127.0.0.1",
-        "DYN_EVENT_PLANE_HOST": "127.0.0.1",
+        # What Dynamo binds and advertises for its request and event planes and its status server
+        # (docs/fleet.md): the host's own address, never a guess.
+        "DYN_TCP_RPC_HOST": host,
+        "DYN_EVENT_PLANE_HOST": host,
+        "DYN_SYSTEM_HOST": host,
         "HF_HUB_OFFLINE": "1",
         "PYTHONUNBUFFERED": "1",
         # A stopped worker unregisters, then waits 5 s for in-flight requests by default; these
@@ -84,8 +85,10 @@ class _Process:
 
     name = "dynamo"
 
-    def __init__(self, args: Sequence[str], env: Mapping[str, str], log_path: Optional[str | Path]) -> None:
-        self.args = [str(a) for a in args]
+    def __init__(self, args: Sequence[str], env: Mapping[str, str], log_path: Optional[str | Path],
+                 on_host=None) -> None:
+        """``on_host``: a :class:`harness.fleet.Host` to run on (its namespace, hostname), else this machine."""
+        self.args = [str(a) for a in args] if on_host is None else on_host.command(args)
         self.env = {**os.environ, **env}
         self.log_path = Path(log_path) if log_path else None
         self._proc: Optional[subprocess.Popen] = None

@@ -40,10 +40,14 @@ def binary(name: str) -> Path:
 
 
 class MooncakeCluster:
-    """A master (RPC and metrics on 127.0.0.1, no metadata server) and, unless ``lend`` is 0, one memory lender."""
+    """A master (RPC and metrics on 127.0.0.1, no metadata server) and, unless ``lend`` is 0, one memory lender.
 
-    def __init__(self, log_dir: Path, *, lend: str = "256MB") -> None:
+    ``on_host`` (a :class:`harness.fleet.Host`): every process runs there and binds its address instead."""
+
+    def __init__(self, log_dir: Path, *, lend: str = "256MB", on_host=None) -> None:
         self.log_dir = Path(log_dir)
+        self.on_host = on_host
+        self.host = on_host.address if on_host is not None else "127.0.0.1"
         self.rpc_port, self.admin_port = free_port(), free_port()
         self.lend = lend
         self.master: Optional[subprocess.Popen] = None
@@ -53,7 +57,7 @@ class MooncakeCluster:
 
     @property
     def master_address(self) -> str:
-        return f"127.0.0.1:{self.rpc_port}"
+        return f"{self.host}:{self.rpc_port}"
 
     @property
     def metadata_url(self) -> str:
@@ -62,7 +66,9 @@ class MooncakeCluster:
 
     def _spawn(self, args: list, name: str) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "ab")
-        env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+        env = {**os.environ, "MC_TCP_BIND_ADDRESS": self.host}
+        if self.on_host is not None:
+            args = self.on_host.command(args)
         try:
             return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         finally:
@@ -70,17 +76,17 @@ class MooncakeCluster:
 
     def start_master(self, timeout: float = 120.0) -> None:
         self.master = self._spawn([
-            str(binary("mooncake_master")), f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
-            "--metrics_host=127.0.0.1", f"--metrics_port={self.admin_port}", "--enable_metric_reporting=false",
+            str(binary("mooncake_master")), f"--rpc_port={self.rpc_port}", f"--rpc_address={self.host}",
+            f"--metrics_host={self.host}", f"--metrics_port={self.admin_port}", "--enable_metric_reporting=false",
         ], "master")
         # Its metrics server answers /health before its RPC server listens: ready is both (a client or doctor
         # that connects in between is refused; seen once in CI without a lender to wait for).
-        self._wait(lambda: requests.get(f"http://127.0.0.1:{self.admin_port}/health", timeout=1).ok
+        self._wait(lambda: requests.get(f"http://{self.host}:{self.admin_port}/health", timeout=1).ok
                    and not unreachable_endpoints(self.master_address, ""), timeout, "master")
 
     def start_lender(self, timeout: float = 120.0) -> None:
         self.lender = self._spawn([
-            str(binary("mooncake_client")), "--host=127.0.0.1", f"--port={free_port()}",
+            str(binary("mooncake_client")), f"--host={self.host}", f"--port={free_port()}",
             f"--global_segment_size={self.lend}", f"--master_server_address={self.master_address}",
             f"--metadata_server={self.metadata_url}", "--protocol=tcp",
         ], "lender")
@@ -88,16 +94,16 @@ class MooncakeCluster:
 
     def start_relay(self, interval: float = 0.2) -> str:
         """``sglang-kvbm mooncake-events`` beside the master (this interpreter's): the endpoint routers subscribe to."""
-        self.events_endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.events_endpoint = f"tcp://{self.host}:{free_port()}"
         self.relay = self._spawn([
-            sys.executable, "-m", "sglang_kvbm.ops.cli", "mooncake-events", f"--master-http=127.0.0.1:{self.admin_port}",
+            sys.executable, "-m", "sglang_kvbm.ops.cli", "mooncake-events", f"--master-http={self.host}:{self.admin_port}",
             f"--bind={self.events_endpoint}", f"--interval={interval}",
         ], "relay")
         return self.events_endpoint
 
     def capacity(self) -> int:
         """Bytes lent to the store, from the master's metrics."""
-        text = requests.get(f"http://127.0.0.1:{self.admin_port}/metrics", timeout=2).text
+        text = requests.get(f"http://{self.host}:{self.admin_port}/metrics", timeout=2).text
         for line in text.splitlines():
             if line.startswith("master_total_capacity_bytes"):
                 return int(float(line.split()[-1]))
