@@ -720,3 +720,31 @@ def test_a_directory_is_created_and_locked_at_once_for_every_other_claim(tmp_pat
         held.close()
     lock_file = tmp_path / f".sglang-kvbm-claims-{os.getuid()}.lock"
     assert stat.S_IMODE(lock_file.stat().st_mode) == 0o600
+
+
+def test_a_restarted_tp_server_keeps_every_ranks_disk_tier(tmp_path):
+    """Each TP rank claims its own directory under one root; the rank that claims first on a restart must not
+    reclaim the directories of its siblings that have not claimed theirs yet (they are this server's)."""
+    ranks = [{"tp_rank": r, "tp_size": 2} for r in (0, 1)]
+    tokens = list(range(3000, 3016))
+    dirs = []
+    for r in ranks:  # the first run: each rank writes its shard of the prefix to disk
+        s = build_stack(host_blocks=4, disk_blocks=64, disk_dir=tmp_path, identity=Identity(ranks=r))
+        try:
+            s.insert(tokens, seed=40 + r["tp_rank"])
+            s.settle()
+            dirs.append(s.manager.tiers["disk"].store.directory)
+        finally:
+            s.cache.close()
+    restarted = build_stack(host_blocks=4, disk_blocks=64, disk_dir=tmp_path, identity=Identity(ranks=ranks[0]))
+    try:  # rank 0 starts first: rank 1's directory, not held by anyone yet, is its sibling's, not stale
+        assert dirs[1].exists()
+        assert len(restarted.manager.tiers["disk"].store) == 4
+    finally:
+        restarted.cache.close()
+    other = build_stack(host_blocks=4, disk_blocks=64, disk_dir=tmp_path,
+                        identity=Identity(ranks=ranks[0], model_path="another-model"))
+    try:  # another server's start still reclaims what no live server holds
+        assert not dirs[1].exists() and not dirs[0].exists()
+    finally:
+        other.cache.close()

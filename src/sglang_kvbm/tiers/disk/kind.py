@@ -17,17 +17,29 @@ def enabled(config) -> bool:
     return config.has_disk
 
 
+def server_identities(pools: WorkerPools) -> set[bytes]:
+    """Every disk identity of this server: each pool's, at every TP rank and PP stage (each rank claims its own
+    directory under the same root, and must not reclaim its siblings' while they have not claimed theirs yet: a
+    restarted TP server would otherwise find its other ranks' disk tiers gone)."""
+    ranks = pools.ranks
+    tp_size, pp_size = int(ranks.get("tp_size", 1)), int(ranks.get("pp_size", 1))
+    return {pools.fingerprint(name, {"tp_rank": tp, "pp_rank": pp})[0]
+            for name in pools.names for tp in range(tp_size) for pp in range(pp_size)}
+
+
 def build(config, pools: WorkerPools) -> KindPlan:
     """A store per pool in one probed directory, each under its pool's identity (they never read each other's)."""
     # Here, not at the top: the command line and doctor import every kind (tiers.registry), and the store needs
     # torch and numpy.
-    from sglang_kvbm.tiers.disk.setup import probe
+    from sglang_kvbm.tiers.disk.setup import probe, warn_placement
     from sglang_kvbm.tiers.disk.store import DiskStore
     from sglang_kvbm.tiers.disk.tier import DiskTier
 
     slot_bytes = [DiskStore.header_bytes_for(each.page_size) + each.block_bytes for each in pools.layouts]
     kv_blocks = config.disk_blocks(round(sum(n * share for n, share in zip(slot_bytes, pools.shares))))
     identities = [pools.fingerprint(name, {}) for name in pools.names]
+    server = server_identities(pools)
+    warn_placement(config.disk_cache_dir)  # tmpfs, ramfs or the default /tmp: works, but not as a disk tier should
     found = probe(
         config.disk_cache_dir, sum(pool_blocks(kv_blocks, share) * n for n, share in zip(slot_bytes, pools.shares)),
         zerofill_fallback=config.disk_zerofill_fallback,
@@ -40,7 +52,7 @@ def build(config, pools: WorkerPools) -> KindPlan:
         logger.info("kvbm: disk identity %s (%s): %s", fingerprint.hex(), name, description)
         stores.append(DiskStore(probe=found, num_slots=pool_blocks(kv_blocks, share), block_bytes=layout.block_bytes,
                                 fingerprint=fingerprint, page_size=layout.page_size, pin=pin,
-                                siblings=tuple(f for f, _ in identities if f != fingerprint)))
+                                siblings=tuple(f for f in server if f != fingerprint)))
     policy = OnboardPolicy(bytes_per_token=stores[0].slot_bytes / pools.kv.page_size,
                            always=config.disk_onboard == "always")
     policy.read.record(4 << 20, (4 << 20) / found.read_bytes_per_s)  # seeded by the probe, refined by real reads

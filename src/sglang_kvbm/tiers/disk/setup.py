@@ -5,6 +5,9 @@ What breaks disk caches in the field is the set-up: filesystems without
 EINVAL, too little free space. :func:`probe` tries each on a scratch file in the
 directory before anything is allocated, and either picks the fallback the
 environment allows or fails with the variable to set.
+
+What works but defeats the tier is warned about (:func:`warn_placement`): a
+directory on tmpfs or ramfs (memory, not disk), or the default ``/tmp``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,12 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 _PROBE_BYTES = 4 << 20
 _UNSUPPORTED = (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+_libc.statfs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+# statfs(2)'s f_type (the first field of struct statfs, a C long on every Linux ABI) of the filesystems that
+# keep their files in memory (linux/magic.h).
+_MEMORY_FILESYSTEMS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
+DEFAULT_DIRECTORY = "/tmp"  # KvbmConfig.disk_cache_dir's default
+_warned: set[str] = set()  # the directories warn_placement has warned about in this process
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +140,57 @@ def probe(
     return result
 
 
+def memory_filesystem(directory: str | Path) -> str | None:
+    """``"tmpfs"`` or ``"ramfs"`` when ``directory`` (or, not made yet, its nearest existing parent) is on one.
+
+    From statfs(2) of the path itself, so a bind mount, a symlink or a mount namespace cannot mislead it; None
+    on any other filesystem, or where statfs fails.
+    """
+    path = Path(os.path.abspath(directory))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    buf = ctypes.create_string_buffer(512)  # struct statfs is 120 bytes on x86_64 and aarch64
+    if _libc.statfs(os.fsencode(path), buf) != 0:
+        return None
+    return _MEMORY_FILESYSTEMS.get(ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF)
+
+
+def placement_warnings(directory: str | Path) -> list[str]:
+    """What is wrong with keeping the disk tier in ``directory``, though it works: tmpfs or ramfs, or ``/tmp``."""
+    path = os.path.normpath(os.path.abspath(directory))
+    default = path == DEFAULT_DIRECTORY
+    fs = memory_filesystem(path)
+    if fs is not None:
+        return [
+            f"kvbm: DYN_KVBM_DISK_CACHE_DIR={path!r}{' (the default)' if default else ''} is on {fs}, which is "
+            f"memory, not disk: the disk tier's blocks would take RAM the host tier could use, and are gone at "
+            f"reboot. Set DYN_KVBM_DISK_CACHE_DIR to a directory on a local SSD (e.g. /nvme/kvbm)"
+        ]
+    if default:
+        try:
+            where = "the root filesystem" if os.stat(path).st_dev == os.stat("/").st_dev else "a filesystem"
+        except OSError:
+            where = "a filesystem"
+        return [
+            f"kvbm: DYN_KVBM_DISK_CACHE_DIR is {DEFAULT_DIRECTORY} (the default), on {where} every program "
+            f"shares, which tmp cleaners may empty: set DYN_KVBM_DISK_CACHE_DIR to a directory of its own on a "
+            f"local SSD (e.g. /nvme/kvbm)"
+        ]
+    return []
+
+
+def warn_placement(directory: str | Path) -> list[str]:
+    """Log :func:`placement_warnings` of ``directory``, once per process (every worker's build calls it)."""
+    key = os.path.normpath(os.path.abspath(directory))
+    if key in _warned:
+        return []
+    _warned.add(key)
+    found = placement_warnings(key)
+    for line in found:
+        logger.warning("%s", line)
+    return found
+
+
 def _probe_fallocate(fd: int, zerofill_fallback: bool) -> str:
     try:
         fallocate(fd, 1 << 20)
@@ -155,7 +215,7 @@ def _probe_io(path: Path, *, o_direct: bool) -> tuple[float, float]:
         fd = os.open(path, flags)
     except OSError as exc:
         buf.close()
-        raise _o_direct_error(exc) from None
+        raise _o_direct_error(exc, path) from None
     try:
         start = time.perf_counter()
         if os.pwritev(fd, [buf], 0) != _PROBE_BYTES:
@@ -171,7 +231,7 @@ def _probe_io(path: Path, *, o_direct: bool) -> tuple[float, float]:
             raise ConfigError("DYN_KVBM_DISK_CACHE_DIR: bytes read back differ from the bytes written")
         back.close()
     except OSError as exc:
-        raise _o_direct_error(exc) if o_direct and exc.errno == errno.EINVAL else ConfigError(
+        raise _o_direct_error(exc, path) if o_direct and exc.errno == errno.EINVAL else ConfigError(
             f"DYN_KVBM_DISK_CACHE_DIR: test I/O failed ({exc.strerror})"
         ) from None
     finally:
@@ -180,8 +240,11 @@ def _probe_io(path: Path, *, o_direct: bool) -> tuple[float, float]:
     return _PROBE_BYTES / max(wrote, 1e-6), _PROBE_BYTES / max(read, 1e-6)
 
 
-def _o_direct_error(exc: OSError) -> ConfigError:
+def _o_direct_error(exc: OSError, scratch: Path) -> ConfigError:
+    fs = memory_filesystem(scratch.parent)
+    better = (f", or better (it is on {fs}, which is memory, not disk) point DYN_KVBM_DISK_CACHE_DIR at a "
+              f"directory on a local SSD" if fs else "")
     return ConfigError(
         f"DYN_KVBM_DISK_CACHE_DIR rejects O_DIRECT I/O ({exc.strerror}): "
-        f"set DYN_KVBM_DISK_DISABLE_O_DIRECT=true to use buffered I/O"
+        f"set DYN_KVBM_DISK_DISABLE_O_DIRECT=true to use buffered I/O{better}"
     )
