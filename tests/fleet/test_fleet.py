@@ -22,6 +22,7 @@ call has a bounded timeout), and prints its figures. Needs root (CI runs as root
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -47,7 +48,7 @@ PAGES = CACHEABLE // PAGE
 DOCS = [prompt_ids(9100 + i, PROMPT) for i in range(3)]
 # A G4 hit counts this much of a device hit in the router; below its disk weight (0.25 by default) a worker's own
 # disk or host copy outranks a read from G4 (docs/fleet.md, "The router and G4").
-SHARED = "0.2"
+SHARED = os.environ.get("KVBM_FLEET_SHARED_MULTIPLIER", "0.2")  # another value: to measure it
 TIMEOUT = 90.0  # every client call: a request past it is a hung one
 
 
@@ -198,6 +199,12 @@ def test_nothing_is_advertised_or_reached_through_loopback_across_hosts(deployme
     refused = d.fleet["w1"].run([dynamo_python(), "-c", "from sglang_kvbm.config import KvbmConfig; KvbmConfig.from_env()"],
                                 env={**d.kvbm_env[0], "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1"})
     assert refused.returncode != 0 and "MOONCAKE_LOCAL_HOSTNAME" in refused.stderr, refused.stderr[-2000:]
+    # A master this host has no route to: doctor says so, naming both variables (the server starts without G4).
+    lost = d.fleet["w1"].run([dynamo_python(), "-m", "sglang_kvbm.ops.cli", "doctor"],
+                             env={"DYN_KVBM_CPU_CACHE_GB": "1", "SGLANG_KVBM_MOONCAKE_MASTER": "198.51.100.1:50051",
+                                  "SGLANG_KVBM_MOONCAKE_METADATA": "P2PHANDSHAKE"})
+    row = next((line for line in lost.stdout.splitlines() if line.startswith("G4 advertised address")), lost.stdout)
+    assert "FAIL" in row and "no route" in row and "SGLANG_KVBM_MOONCAKE_MASTER" in row, row
 
 
 def run_during(d, prompts, fault, restore, outage_s):

@@ -281,3 +281,22 @@ def test_object_tier_rows_and_credentials_are_not_printed(tmp_path):
     shown = up["configuration"][1]
     assert "DYN_KVBM_OBJECT_SECRET_KEY=<hidden>" in shown and "DYN_KVBM_OBJECT_ACCESS_KEY=<hidden>" in shown
     assert "wJalrXUtnFEMI" not in shown and "AKIDEXAMPLE" not in shown
+
+
+@pytest.mark.parametrize("host, status, says", [
+    ("127.0.0.1", "ok", "binds loopback, this host only"),
+    ("0.0.0.0", "warn", "binds every address of this machine"),
+    ("192.0.2.7", "ok", "binds 192.0.2.7 only"),
+])
+def test_the_endpoint_row_says_who_can_reach_it(host, status, says):
+    found = rows({"DYN_KVBM_CPU_CACHE_GB": "1", "DYN_KVBM_METRICS": "true", "SGLANG_KVBM_HTTP_HOST": host})
+    assert found["metrics"][0] == status and says in found["metrics"][1], found["metrics"]
+
+
+def test_dynamo_addresses_are_shown_and_loopback_facing_a_remote_master_is_a_warning():
+    env = {"DYN_KVBM_CPU_CACHE_GB": "1", "DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_EVENT_PLANE_HOST": "192.0.2.5"}
+    assert rows(env)["Dynamo addresses"][0] == "info"  # one machine (no remote peer known): as given
+    remote = {**env, "SGLANG_KVBM_MOONCAKE_MASTER": "192.0.2.9:50051", "SGLANG_KVBM_MOONCAKE_METADATA": "P2PHANDSHAKE"}
+    status, detail = rows(remote)["Dynamo addresses"]
+    assert status == "warn" and "DYN_TCP_RPC_HOST is loopback" in detail and "DYN_EVENT_PLANE_HOST is" not in detail
+    assert "Dynamo addresses" not in rows({"DYN_KVBM_CPU_CACHE_GB": "1"})

@@ -223,8 +223,44 @@ def diagnose(environ=None, *, block_bytes: Optional[int] = None, page_size: Opti
     _tiers(rows, config, block_bytes, page_size)
     rows.extend(Row(*row) for row in registry.doctor_rows(config, environ))
     if config.metrics:
-        rows.append(Row("metrics", "ok", f"http://{config.http_host}:{config.metrics_port}/metrics"))
+        rows.append(_endpoint(config))
+    _dynamo_addresses(rows, config, environ)
     return rows
+
+
+def _endpoint(config: KvbmConfig) -> Row:
+    """What this library's endpoint binds, and who can reach it."""
+    from sglang_kvbm.tiers.mooncake.address import loopback
+
+    host, url = config.http_host, f"http://{config.http_host}:{config.metrics_port}/metrics"
+    if loopback(host):
+        return Row("metrics", "ok", f"{url}: binds loopback, this host only (SGLANG_KVBM_HTTP_HOST=<this host's "
+                   "address> for a Prometheus on another host)")
+    if host in ("0.0.0.0", "::"):
+        return Row("metrics", "warn", f"{url}: binds every address of this machine (/stats and /tiers answer anyone who "
+                   "reaches it): set SGLANG_KVBM_HTTP_HOST to the one address Prometheus scrapes")
+    return Row("metrics", "ok", f"{url}: binds {host} only")
+
+
+DYNAMO_ADDRESSES = ("DYN_TCP_RPC_HOST", "DYN_EVENT_PLANE_HOST", "DYN_SYSTEM_HOST", "SGLANG_HOST_IP")
+
+
+def _dynamo_addresses(rows: list[Row], config: KvbmConfig, environ) -> None:
+    """Under Dynamo: the addresses it binds and advertises (docs/fleet.md); loopback facing a G4 master elsewhere (a
+    deployment across hosts) is a warning: peers on other hosts would reach themselves."""
+    from sglang_kvbm.tiers.mooncake.address import loopback, split
+
+    given = {name: environ[name] for name in DYNAMO_ADDRESSES if environ.get(name)}
+    if not given:
+        return
+    shown = ", ".join(f"{k}={v}" for k, v in given.items())
+    remote = config.mooncake_master is not None and not loopback(split(config.mooncake_master)[0])
+    looped = [k for k, v in given.items() if loopback(v)]
+    if remote and looped:
+        rows.append(Row("Dynamo addresses", "warn", f"{shown}: {', '.join(looped)} is loopback while the G4 master is "
+                        "on another host: set each to this host's own address (docs/fleet.md)"))
+    else:
+        rows.append(Row("Dynamo addresses", "info", f"{shown}: what Dynamo binds and advertises to the other hosts"))
 
 
 def render(rows: list[Row], out: TextIO) -> None:
