@@ -157,3 +157,11 @@ def test_doctor_reaches_every_row_without_torch_or_any_extra(tmp_path):
     assert "s3cr3t" not in run.stdout and "AKIAEXAMPLE" not in run.stdout
     assert "DYN_KVBM_OBJECT_SECRET_KEY=<hidden>" in rows["configuration"][1]
     assert re.search(r"\n\d+ problem\(s\)$", run.stdout.rstrip())
+
+
+def test_a_replay_endpoint_that_does_not_answer_is_one_line(tmp_path):
+    """Found by the doc-command test: a --replay nobody serves was a traceback."""
+    run = subprocess.run([sys.executable, "-m", "sglang_kvbm.ops.cli", "events", "tcp://127.0.0.1:9", "--replay",
+                          "tcp://127.0.0.1:9", "--seconds", "0.1"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.startswith("sglang-kvbm events: no replay from tcp://127.0.0.1:9") and "--replay" in run.stderr

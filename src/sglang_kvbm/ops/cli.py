@@ -159,7 +159,12 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         require("events", "sglang", "sglang", "zmq")
         from sglang_kvbm.integration.sglang.events_view import watch
 
-        return watch(args.endpoint, replay_endpoint=args.replay, seconds=args.seconds)
+        try:
+            return watch(args.endpoint, replay_endpoint=args.replay, seconds=args.seconds)
+        except TimeoutError as exc:  # a replay endpoint that does not answer: one line, not a traceback
+            print(f"sglang-kvbm events: {exc}: is --replay the worker's replay_endpoint, and is the worker up?",
+                  file=sys.stderr)
+            return 1
     result = registry.run_command(args)
     if result is not None:
         return result
