@@ -22,6 +22,9 @@ disk hits at or below HiCache's host and L3 hits.
 
     python benchmarks/e2e_multiturn.py                 # ~10 minutes on 2 CPU cores
     python benchmarks/e2e_multiturn.py --conversations 16 --turns 6 --device cuda
+    # SGLang 0.5.21 (Dynamo's), the disk run only: its servers from Dynamo's environment
+    python benchmarks/e2e_multiturn.py --python .venv-dynamo/bin/python --only kvbm-G2+G3 --no-hicache \
+        --env PYTHONPATH=tests/servers/cpu_paged_alloc --env KVBM_TEST_CPU_PAGED_ALLOC=1
 """
 
 from __future__ import annotations
@@ -32,10 +35,12 @@ import sys
 import time
 from pathlib import Path
 
+import requests
+
 from common import mean, out_dir, pct, save_plot, scratch_dir, table, verdict
 from sglang_kvbm.ops.demo.model import DEMO, make_model, prompt_ids
 from sglang_kvbm.ops.demo.run import _stream_generate
-from sglang_kvbm.ops.demo.server import SglangServer
+from sglang_kvbm.ops.demo.server import SglangServer, free_port
 
 
 @dataclasses.dataclass
@@ -46,6 +51,8 @@ class Run:
     hits: dict = dataclasses.field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
     output_tokens: int = 0
     seconds: float = 0.0
+    cached: int = 0  # meta_info cached_tokens, every kind together (what SGLang 0.5.21 reports when details lack)
+    stats: dict = dataclasses.field(default_factory=dict)  # this library's /stats at the end (kvbm runs)
 
 
 def workload(args):
@@ -70,6 +77,7 @@ def run(name, server, args) -> Run:
         result.hits["device"] += device
         result.hits["host"] += host
         result.hits["disk"] += disk
+        result.cached += meta.get("cached_tokens", 0)
         cached = device + host + disk
         kind = "cold" if cached < len(prompt) // 2 else max(("device", device), ("host", host), ("disk", disk), key=lambda x: x[1])[0]
         result.kind.append(kind)
@@ -109,6 +117,11 @@ def main(argv=None) -> int:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--no-hicache", action="store_true", help="skip SGLang's hierarchical cache runs")
+    parser.add_argument("--python", help="the interpreter the servers run from (another SGLang release's environment)")
+    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                        help="set in every server's environment (repeatable)")
+    parser.add_argument("--only", help="these runs only, comma-separated (the comparisons need stock, "
+                        "stock-unbounded and kvbm-G2)")
     args = parser.parse_args(argv)
 
     out = out_dir()
@@ -132,13 +145,32 @@ def main(argv=None) -> int:
     ]
     if not args.no_hicache:
         configs += hicache_configs(args, working_set)
+    if args.only:
+        configs = [c for c in configs if c[0] in args.only.split(",")]
+    common = dict(item.split("=", 1) for item in args.env)
     runs = []
     for name, pool, flags, env in configs:
         print(f"# {name} ...", flush=True)
+        port = free_port() if "kvbm" in flags else None  # this library's /stats: its own count of each tier's hits
+        metrics = {"DYN_KVBM_METRICS": "true", "DYN_KVBM_METRICS_PORT": str(port)} if port else {}
         server = SglangServer(model, page_size=args.page_size, max_total_tokens=pool, extra_args=flags + extra,
-                              env=env, log_path=out / f"e2e-{name}.log")
+                              env={**common, **env, **metrics}, log_path=out / f"e2e-{name}.log", python=args.python)
         with server:
             runs.append(run(name, server, args))
+            if port:
+                time.sleep(0.2)  # one publish interval
+                runs[-1].stats = requests.get(f"http://127.0.0.1:{port}/stats", timeout=30).json()
+    if args.only:  # one table, from what SGLang reports and this library's own counts
+        rows = []
+        for r in runs:
+            onboard = r.stats.get("connector", {}).get("onboard_blocks", {})
+            local = r.stats.get("local", {})
+            rows.append([r.name, pct(r.ttft, 0.5), pct(r.ttft, 0.9), len(r.ttft) / r.seconds, r.cached,
+                         onboard.get("host", 0) * args.page_size, onboard.get("disk", 0) * args.page_size,
+                         local.get("load_waits", 0), local.get("lookups_short_of_reads", 0)])
+        print(table(["run", "p50 TTFT s", "p90 TTFT s", "req/s", "cached tokens", "from host", "from disk",
+                     "load waits", "lookups short of reads"], rows))
+        return 0
 
     stock, ideal = runs[0], runs[1]
     device_hit = [t for t, k in zip(ideal.ttft, ideal.kind) if k == "device"]
