@@ -35,6 +35,8 @@ the median of the rounds' own ratios (with its range).
     python benchmarks/critical_path.py                      # ~2 minutes (3 rounds of 1500 requests)
     python benchmarks/critical_path.py --requests 600 --rounds 5 --events
     python benchmarks/critical_path.py --page-size 1 --requests 300 --profile
+    # and each profile whole, for pstats: /tmp/cp-<cache>.prof
+    KVBM_BENCH_PROFILE_DUMP=/tmp/cp python benchmarks/critical_path.py --page-size 1 --requests 300 --profile
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import os
 import pstats
 import random
 import statistics
@@ -298,6 +301,8 @@ def main(argv=None) -> int:
                 prof = cProfile.Profile()
                 replay(cache, allocator, requests, linked, page, prof)
                 splits[kind] = profile_split(prof)
+                if os.environ.get("KVBM_BENCH_PROFILE_DUMP"):  # the whole profile, for pstats (a developer's look)
+                    prof.dump_stats(f"{os.environ['KVBM_BENCH_PROFILE_DUMP']}-{kind.replace('+', '_')}.prof")
                 if owner is not None:
                     owner.close()
     # Each figure: its median across rounds; each ratio: the median of the rounds' own ratios.
