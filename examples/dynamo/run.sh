@@ -11,7 +11,7 @@
 #   MODEL          a model directory (default: a random-weight GPT-2 generated into $WORK/model)
 #   WORK           where discovery, logs, disk tiers and the generated model go (default: a new temp dir)
 #   HTTP_PORT      the frontend's port (default 8000)
-#   DEVICE         cpu (default: the CPU flags below) or cuda (SGLang's defaults)
+#   DEVICE         cpu (default: the CPU flags below) or cuda (SGLang's defaults, for a GPU machine)
 set -euo pipefail
 
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -36,9 +36,15 @@ export DYN_DISCOVERY_BACKEND=file DYN_FILE_KV=$WORK/discovery DYN_REQUEST_PLANE=
 export DYN_TCP_RPC_HOST=127.0.0.1 DYN_EVENT_PLANE_HOST=127.0.0.1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 
 ENGINE=()
+WORKER_ENV=()
 if [ "$DEVICE" = cpu ]; then
     ENGINE=(--device cpu --attention-backend torch_native --mem-fraction-static 0.3 --disable-cuda-graph
             --dtype float32 --max-total-tokens 1024)  # a small device pool: prefixes leave it soon
+    # SGLang 0.5.21 (what Dynamo 1.6.1 pins) allocates pages (--page-size > 1) with Triton kernels only, which
+    # cannot run on a CPU ("0 active drivers" at the first request). The tests' CPU stand-in for those two
+    # kernels (tests/servers/cpu_paged_alloc, never shipped) runs in the workers instead; it patches nothing on
+    # an SGLang that has a CPU path (0.5.22 on), and DEVICE=cuda never loads it.
+    WORKER_ENV=(PYTHONPATH="$ROOT/tests/servers/cpu_paged_alloc${PYTHONPATH:+:$PYTHONPATH}" KVBM_TEST_CPU_PAGED_ALLOC=1)
 fi
 
 PGIDS=()
@@ -73,7 +79,7 @@ worker() {  # index, SGLang port, events port, kvbm metrics port, Dynamo status 
     # The events endpoint must bind the wildcard host (tcp://*:P): see README.md.
     DYN_KVBM_CPU_CACHE_GB=1 DYN_KVBM_DISK_CACHE_GB=2 DYN_KVBM_DISK_CACHE_DIR="$WORK/disk$1" \
     DYN_KVBM_METRICS=true DYN_KVBM_METRICS_PORT=$4 SGLANG_KVBM_ROUTER_BLOCK_SIZE=$PAGE DYN_SYSTEM_PORT=$5 \
-    start "worker$1" "$PY" -m dynamo.sglang --model-path "$MODEL" --served-model-name "$NAME" \
+    start "worker$1" env "${WORKER_ENV[@]}" "$PY" -m dynamo.sglang --model-path "$MODEL" --served-model-name "$NAME" \
         "${ENGINE[@]}" --page-size "$PAGE" --host 127.0.0.1 --port "$2" \
         --radix-cache-backend kvbm \
         --kv-events-config "{\"publisher\":\"zmq\",\"topic\":\"kv-events\",\"endpoint\":\"tcp://*:$3\"}"
