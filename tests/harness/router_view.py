@@ -57,8 +57,8 @@ class RouterView:
         return answer
 
     def tiers(self, token_ids: Sequence[int]) -> dict[int, dict]:
-        """``{worker id: {"device", "host", "disk"}}`` in tokens, cumulative; workers with no match are absent
-        or all zero."""
+        """``{worker id: {"device", "host", "disk"}}`` in tokens, cumulative; every worker the router knows, all
+        zero where nothing matched."""
         workers = self._ask({"token_ids": [int(t) for t in token_ids]})["workers"]
         return {int(w): tiers for w, tiers in workers.items()}
 

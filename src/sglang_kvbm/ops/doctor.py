@@ -107,12 +107,16 @@ def _cuda(rows: list[Row]) -> bool:
 
 
 def _memory_bytes() -> Optional[int]:
+    """Memory available to a new process: the kernel's own estimate (``MemAvailable``: free memory plus the page cache
+    and reclaimable slabs it can take back), not the free pages alone (a machine that cached files looks full)."""
     try:
-        import psutil
-
-        return psutil.virtual_memory().available
-    except ImportError:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class _Need:

@@ -13,7 +13,8 @@ Protocol: one JSON object per line on stdin, one answer per line on stdout.
 
 * ``{"token_ids": [...]}`` -> ``{"block_size": 4, "workers": {"<worker id>": {"device": t, "host": t,
   "disk": t}}}``, matched **tokens**, cumulative as the worker's ``POST /tiers`` answers them
-  (``host`` counts device + host, ``disk`` all three); workers with no match are left out.
+  (``host`` counts device + host, ``disk`` all three); every worker the router knows is listed, all zero
+  where nothing matched (as Dynamo 1.6.1's ``get_overlap_scores`` reports them).
 * ``{"best_worker": true, "token_ids": [...]}`` -> ``{"worker_id": id, "overlap_blocks": n}``: the
   worker this router would pick (``KvRouter.best_worker``, query only: no state changes), with
   Dynamo's default ``KvRouterConfig`` (host hits credited 0.75 per block, disk hits 0.25); add
