@@ -6,8 +6,8 @@ soon as their rows are needed. Without more, a worker that paid for a read
 from G4 holds the prefix nowhere of its own once its device evicts it; the
 router scores every worker alike for it, and a return visit reads the network
 again. So once a load landed (its bytes reached the device), its staged blocks
-that host does not hold are copied into host rows on the offload thread and
-registered there with their ``CPU_PINNED`` event, as if offloaded from the
+that host does not hold are copied into host rows (off the scheduler thread)
+and registered there with their ``CPU_PINNED`` event, as if offloaded from the
 device (``SGLANG_KVBM_KEEP_READS``, on by default):
 
 * the host tier's own rules apply: rows are reserved like a store's, least

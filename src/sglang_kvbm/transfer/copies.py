@@ -10,7 +10,7 @@ Each function runs on the worker thread that owns its path and its buffers
 (DEVICE, DISK)         :func:`device_to_disk`          ``kvbm-disk-write``
 (HOST, DISK)           :func:`host_to_disk`            ``kvbm-disk-write``
 (DISK, staging)        :func:`disk_to_staging`         ``kvbm-disk-read``
-(staging, HOST)        :func:`staging_to_host`         ``kvbm-offload``
+(staging, HOST)        :func:`staging_to_host`         ``kvbm-keep``
 (HOST/staging, DEVICE) :func:`load_layer`              the engine's loader
 =====================  ==============================  ===================
 
