@@ -127,8 +127,16 @@ class Deployment:
         return next(w for w in self.workers if w is not worker)
 
     def settle(self):
-        """Until every worker's offloads and writes drained (a request's KV goes down after it ends)."""
-        time.sleep(1.0)
+        """Until every worker's copies drained (a request's KV goes down after it ends): its /stats says no copy is in
+        flight three times running (published every 50 ms)."""
+        for worker in self.workers:
+            idle = [0]  # consecutive answers with nothing in flight
+
+            def drained(worker=worker, idle=idle) -> bool:
+                idle[0] = idle[0] + 1 if worker.stats()["in_flight"] == 0 else 0
+                return idle[0] >= 3
+
+            wait_for(drained, timeout=60, step=0.1, message=f"{worker.host}: copies still in flight")
 
 
 def onboarded(worker) -> dict:
