@@ -35,35 +35,54 @@ nb::object BlockIndex::slot(nb::handle id) const {
     return s >= 0 ? nb::object(nb::int_(s)) : nb::object(nb::none());
 }
 
+// Each id's slot (``registered``: -1 where not registered; else -1 where neither registered nor being
+// written), a group at a time; ``f(i, slot)`` false stops the walk (the ids after it are not read: a
+// malformed one is not reported). A malformed id reached raises.
+template <class F>
+void BlockIndex::each_slot(const Items &it, bool registered, F &&f) const {
+    IdGroup g;
+    int32_t found[IdGroup::N];
+    for (Py_ssize_t i = 0; i < it.n; i += IdGroup::N) {
+        g.read(it.items, it.n, i);
+        find_group(g.key, g.ok, g.n, registered, found);
+        for (Py_ssize_t j = 0; j < g.n; ++j) {
+            if (!g.ok[j]) bad_id(it.items[i + j]);
+            if (!f(i + j, found[j])) return;
+        }
+    }
+}
+
 nb::list BlockIndex::slots(nb::handle ids) const {
     Items it(ids);
-    nb::list out;
-    for (Py_ssize_t i = 0; i < it.n; ++i) {
-        int32_t s = registered_slot(parse(it.items[i]));
-        out.append(s >= 0 ? nb::object(nb::int_(s)) : nb::object(nb::none()));
-    }
+    Slots found;
+    found.reserve(size_t(it.n));
+    each_slot(it, true, [&](Py_ssize_t, int32_t s) { found.push_back(s); return true; });
+    nb::list out;  // built after every id was read: building runs no Python code, but reading may raise
+    for (int32_t s : found) out.append(s >= 0 ? nb::object(nb::int_(s)) : nb::object(nb::none()));
     return out;
 }
 
 Py_ssize_t BlockIndex::run(nb::handle ids) const {
     Items it(ids);
-    for (Py_ssize_t i = 0; i < it.n; ++i)
-        if (registered_slot(parse(it.items[i])) < 0) return i;  // the tail is not read
-    return it.n;
+    Py_ssize_t held = it.n;
+    each_slot(it, true, [&](Py_ssize_t i, int32_t s) { return s >= 0 || (held = i, false); });
+    return held;
 }
 
 nb::list BlockIndex::missing(nb::handle ids) const {
     Items it(ids);
     Slots out;
-    for (Py_ssize_t i = 0; i < it.n; ++i)
-        if (find(parse(it.items[i])) < 0) out.push_back(int32_t(i));
+    each_slot(it, false, [&](Py_ssize_t i, int32_t s) {
+        if (s < 0) out.push_back(int32_t(i));
+        return true;
+    });
     return int_list(out.data(), out.size());
 }
 
 nb::bytes BlockIndex::flags(nb::handle ids) const {
     Items it(ids);
     std::string out(size_t(it.n), '\0');
-    for (Py_ssize_t i = 0; i < it.n; ++i) out[size_t(i)] = char(registered_slot(parse(it.items[i])) >= 0);
+    each_slot(it, true, [&](Py_ssize_t i, int32_t s) { return out[size_t(i)] = char(s >= 0), true; });
     return nb::bytes(out.data(), out.size());
 }
 
@@ -77,10 +96,44 @@ nb::tuple BlockIndex::reserve(nb::handle ids) {
     ids_once(keys, "reserve");
     not_held(keys, "reserve");
     nb::list evicted;
+    Slots got;
+    take_slots(keys, got, evicted);
+    return nb::make_tuple(int_list(got.data(), got.size()), evicted);
+}
+
+// ``missing`` and ``reserve`` of those ids in one call (an offload's first tier): (positions of the ids
+// neither registered nor being written, slots for the leading ones of them, payloads evicted). The ids not
+// held must be distinct.
+nb::tuple BlockIndex::reserve_missing(nb::handle ids) {
+    refuse_one_id(ids);
+    Items it(ids);
+    Slots todo;
+    Keys keys;
+    IdGroup g;
+    int32_t found[IdGroup::N];
+    for (Py_ssize_t i = 0; i < it.n; i += IdGroup::N) {
+        g.read(it.items, it.n, i);
+        find_group(g.key, g.ok, g.n, false, found);
+        for (Py_ssize_t j = 0; j < g.n; ++j) {
+            if (!g.ok[j]) bad_id(it.items[i + j]);
+            if (found[j] < 0) {
+                todo.push_back(int32_t(i + j));
+                keys.push_back(g.key[j]);
+            }
+        }
+    }
+    ids_once(keys, "reserve_missing");
+    nb::list evicted;
+    Slots got;
+    take_slots(keys, got, evicted);
+    return nb::make_tuple(int_list(todo.data(), todo.size()), int_list(got.data(), got.size()), evicted);
+}
+
+// Slots for the leading keys that find one (checked: distinct, not held), evicting into ``evicted``.
+void BlockIndex::take_slots(const Keys &keys, Slots &got, nb::list &evicted) {
     size_t need = keys.size();
     if (free_.size() < need) evict(need - free_.size(), evicted);
     size_t take = std::min(need, free_.size());
-    Slots got;
     for (size_t i = 0; i < take; ++i) {
         int32_t s = free_.pop();
         if (state_[size_t(s)] != FREE || orphan_[size_t(s)] || !usable_[size_t(s)]) corrupted("a listed slot in use");
@@ -89,7 +142,6 @@ nb::tuple BlockIndex::reserve(nb::handle ids) {
         got.push_back(s);
     }
     inflight_ += take;
-    return nb::make_tuple(int_list(got.data(), got.size()), evicted);
 }
 
 // The slots hold their blocks' bytes: register them, the first most recent (a prefix's tail evicts first).
@@ -197,6 +249,18 @@ void BlockIndex::unpin(nb::handle ids) {
         if (s >= 0 && pins_[size_t(s)] > 0 && --pins_[size_t(s)] == 0) --pinned_;
 }
 
+// ``unpin`` by the slots ``pin`` returned (no id looked up again): a slot still registered and pinned loses
+// one pin; others (dropped since: an orphan, or freed) are left alone. A repeated slot is two unpins. Only
+// for a tier that never frees a pinned slot while its pin is held (host rows: ``remove`` skips pinned
+// blocks, eviction too, ``forget`` orphans them), so the slot is the block that was pinned.
+void BlockIndex::unpin_slots(nb::handle slot_seq) {
+    Slots slots;
+    slots_of(slot_seq, cap_, slots);
+    for (int32_t s : slots)
+        if (state_[size_t(s)] == REGISTERED && !orphan_[size_t(s)] && pins_[size_t(s)] > 0 && --pins_[size_t(s)] == 0)
+            --pinned_;
+}
+
 int32_t BlockIndex::pins(nb::handle id) const {
     int32_t s = registered_slot(parse(id.ptr()));
     return s >= 0 ? pins_[size_t(s)] : 0;
@@ -271,11 +335,13 @@ nb::object BlockIndex::payload(int32_t s) const {
 // The payloads of those ids that are registered, in order.
 nb::list BlockIndex::payloads(nb::handle ids) const {
     Items it(ids);
+    Slots found;
+    each_slot(it, true, [&](Py_ssize_t, int32_t s) {
+        if (s >= 0) found.push_back(s);
+        return true;
+    });
     nb::list out;
-    for (Py_ssize_t i = 0; i < it.n; ++i) {
-        int32_t s = registered_slot(parse(it.items[i]));
-        if (s >= 0) out.append(payload(s));
-    }
+    for (int32_t s : found) out.append(payload(s));
     return out;
 }
 

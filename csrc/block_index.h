@@ -6,7 +6,9 @@
 // a load's rows, touch a prefix, evict least recently used blocks.
 //
 // * Block ids arrive as SGLang hands them (64-character hex sha256 strings) or
-//   as 32 raw bytes; inside they are 32 raw bytes, never a Python object.
+//   as 32 raw bytes; inside they are 32 raw bytes, never a Python object. A batch
+//   is probed a group of ids at a time (``IdGroup``, ``find_group``), its memory
+//   reads overlapped: at SGLang's page size 1 a request is thousands of ids.
 // * Per slot: its key, its lifecycle state (KVBM's FREE -> MUTABLE ->
 //   REGISTERED -> FREE; see ``core/lifecycle.py``), pin count, the holders of
 //   an orphan (a slot a copy still uses after the tier forgot its block),
@@ -61,6 +63,7 @@ class BlockIndex {
 
     // -- a copy's slots: reserve -> commit, or abort ----------------------------------------
     nb::tuple reserve(nb::handle ids);
+    nb::tuple reserve_missing(nb::handle ids);
     void commit(nb::handle slot_seq, nb::handle payloads);
     void restore(nb::handle slot_seq, nb::handle ids, nb::handle payloads);
     void abort(nb::handle slot_seq);
@@ -70,6 +73,7 @@ class BlockIndex {
     void touch(nb::handle ids);
     nb::list pin(nb::handle ids);
     void unpin(nb::handle ids);
+    void unpin_slots(nb::handle slot_seq);
     int32_t pins(nb::handle id) const;
 
     // -- dropping blocks --------------------------------------------------------------------
@@ -91,11 +95,16 @@ class BlockIndex {
     void set_free(nb::handle slot_seq);
     void add_free(nb::handle slot_seq);
 
-    // The slot of a registered key, or -1 (``held_by``: one parse per id for every index).
+    // The slot of a registered key, or -1.
     int32_t registered_slot(const Key &k) const {
         int32_t s = find(k);
         return s >= 0 && state_[size_t(s)] == REGISTERED ? s : -1;
     }
+
+    // ``find`` (``registered``: ``registered_slot``) for a group of keys at once, ``out[j]`` for ``keys[j]``
+    // (-1 where ``ok[j]`` is false): every home cell is fetched, then every first candidate's key and state,
+    // before any is compared, so a group's cache misses overlap (``held_by`` calls it once per index).
+    void find_group(const Key *keys, const bool *ok, Py_ssize_t n, bool registered, int32_t *out) const;
 
     // The garbage collector's view: the payloads kept (tp_traverse), and letting them go (tp_clear).
     int traverse(visitproc visit, void *arg) const;
@@ -119,9 +128,12 @@ class BlockIndex {
     void release_orphan(int32_t s);
     nb::object drop_registered(int32_t s);
     void evict(size_t n, nb::list &out);
+    void take_slots(const Keys &keys, Slots &got, nb::list &evicted);
     void check(int32_t s) const;
 
     Py_ssize_t registered_slots(nb::handle ids, Slots &out) const;
+    template <class F>
+    void each_slot(const Items &it, bool registered, F &&f) const;
 
     // Batch checks: raise before anything changes.
     void distinct_slots(nb::handle seq, Slots &slots, const char *call);  // slots_of + slots_once

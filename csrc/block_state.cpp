@@ -35,10 +35,37 @@ Py_ssize_t BlockIndex::registered_slots(nb::handle ids, Slots &out) const {
     Items it(ids);
     out.resize(size_t(it.n));
     int32_t *slot = out.data();
-    for (Py_ssize_t i = 0; i < it.n; ++i) slot[i] = registered_slot(parse(it.items[i]));
+    IdGroup g;
+    for (Py_ssize_t i = 0; i < it.n; i += IdGroup::N) {
+        g.read(it.items, it.n, i);
+        for (Py_ssize_t j = 0; j < g.n; ++j)
+            if (!g.ok[j]) bad_id(it.items[i + j]);
+        find_group(g.key, g.ok, g.n, true, slot + i);
+    }
     for (Py_ssize_t i = 0; i < it.n; ++i)
         if (slot[i] < 0) return i;
     return -1;
+}
+
+void BlockIndex::find_group(const Key *keys, const bool *ok, Py_ssize_t n, bool registered, int32_t *out) const {
+    size_t cell[IdGroup::N];
+    for (Py_ssize_t j = 0; j < n; ++j)
+        if (ok[j]) {
+            cell[j] = table_.home(keys[j]);
+            table_.prefetch(cell[j]);
+        }
+    for (Py_ssize_t j = 0; j < n; ++j)
+        if (ok[j]) {
+            int32_t s = table_.first(cell[j]);
+            if (s >= 0) {
+                KVBM_PREFETCH(&keys_[size_t(s)]);
+                KVBM_PREFETCH(&state_[size_t(s)]);
+            }
+        }
+    for (Py_ssize_t j = 0; j < n; ++j) {
+        int32_t s = ok[j] ? table_.find_from(cell[j], keys[j], keys_) : -1;
+        out[j] = s >= 0 && registered && state_[size_t(s)] != REGISTERED ? -1 : s;
+    }
 }
 
 void BlockIndex::map(int32_t s, const Key &k) {
@@ -126,8 +153,15 @@ void BlockIndex::ids_once(const Keys &keys, const char *call) {
 }
 
 void BlockIndex::not_held(const Keys &keys, const char *call) const {
-    for (const Key &k : keys)
-        if (find(k) >= 0) throw BlockStateError(std::string(call) + ": block " + hex(k) + " is held already");
+    bool all[IdGroup::N];
+    std::fill(all, all + IdGroup::N, true);
+    int32_t found[IdGroup::N];
+    for (size_t i = 0; i < keys.size(); i += IdGroup::N) {
+        Py_ssize_t n = Py_ssize_t(std::min(keys.size() - i, size_t(IdGroup::N)));
+        find_group(keys.data() + i, all, n, false, found);
+        for (Py_ssize_t j = 0; j < n; ++j)
+            if (found[j] >= 0) throw BlockStateError(std::string(call) + ": block " + hex(keys[i + size_t(j)]) + " is held already");
+    }
 }
 
 void BlockIndex::expect_state(int32_t s, State want, State to) const {

@@ -29,8 +29,15 @@ class KeyTable {
     }
 
     // The slot holding ``k`` among ``keys``, or -1.
-    int32_t find(const Key &k, const std::vector<Key> &keys) const {
-        for (size_t i = hash(k) & mask_;; i = (i + 1) & mask_) {
+    int32_t find(const Key &k, const std::vector<Key> &keys) const { return find_from(home(k), k, keys); }
+
+    // ``find`` in steps, for probing many keys at once: a key's home cell, that cell fetched ahead
+    // (``prefetch``), its first candidate (``first``: then fetch that slot's key), the search from it.
+    size_t home(const Key &k) const { return hash(k) & mask_; }
+    void prefetch(size_t cell) const { KVBM_PREFETCH(&table_[cell]); }
+    int32_t first(size_t cell) const { return table_[cell]; }
+    int32_t find_from(size_t cell, const Key &k, const std::vector<Key> &keys) const {
+        for (size_t i = cell;; i = (i + 1) & mask_) {
             int32_t s = table_[i];
             if (s < 0) return -1;
             if (keys[s] == k) return s;

@@ -35,13 +35,19 @@ nb::bytes held_by(nb::handle ids, nb::handle index_seq) {
     kvbm::Items it(ids);
     std::string out;
     out.reserve(size_t(it.n));
-    for (Py_ssize_t i = 0; i < it.n; ++i) {
-        kvbm::Key key = kvbm::parse(it.items[i]);
-        uint8_t mask = 0;
-        for (size_t t = 0; t < count; ++t)
-            if (indexes[t]->registered_slot(key) >= 0) mask |= uint8_t(1u << t);
-        if (!mask) break;
-        out.push_back(char(mask));
+    kvbm::IdGroup g;
+    int32_t found[8][kvbm::IdGroup::N];
+    for (Py_ssize_t i = 0; i < it.n; i += kvbm::IdGroup::N) {
+        g.read(it.items, it.n, i);
+        for (size_t t = 0; t < count; ++t) indexes[t]->find_group(g.key, g.ok, g.n, true, found[t]);
+        for (Py_ssize_t j = 0; j < g.n; ++j) {
+            if (!g.ok[j]) kvbm::bad_id(it.items[i + j]);
+            uint8_t mask = 0;
+            for (size_t t = 0; t < count; ++t)
+                if (found[t][j] >= 0) mask |= uint8_t(1u << t);
+            if (!mask) return nb::bytes(out.data(), out.size());
+            out.push_back(char(mask));
+        }
     }
     return nb::bytes(out.data(), out.size());
 }
@@ -90,6 +96,9 @@ NB_MODULE(_blocks, m) {
         .def("reserve", &BlockIndex::reserve,
              nb::sig("def reserve(self, ids: " IDS ", /) -> tuple[list[int], list[object]]"),
              "Slots for the leading ids that find one, evicting least recently used blocks: (slots, evicted payloads).")
+        .def("reserve_missing", &BlockIndex::reserve_missing,
+             nb::sig("def reserve_missing(self, ids: " IDS ", /) -> tuple[list[int], list[int], list[object]]"),
+             "missing + reserve in one call: (positions not held, slots for the leading ones, evicted payloads).")
         .def("commit", &BlockIndex::commit,
              nb::sig("def commit(self, slots: " SLOTS ", payloads: " OBJECTS ", /) -> None"),
              "Register reserved slots, the first most recent.")
@@ -102,6 +111,8 @@ NB_MODULE(_blocks, m) {
         .def("touch", &BlockIndex::touch, nb::sig("def touch(self, ids: " IDS ", /) -> None"))
         .def("pin", &BlockIndex::pin, nb::sig("def pin(self, ids: " IDS ", /) -> list[int]"))
         .def("unpin", &BlockIndex::unpin, nb::sig("def unpin(self, ids: " IDS ", /) -> None"))
+        .def("unpin_slots", &BlockIndex::unpin_slots, nb::sig("def unpin_slots(self, slots: " SLOTS ", /) -> None"),
+             "unpin by the slots pin returned (a slot dropped since is left alone).")
         .def("pinned", [](const BlockIndex &index, nb::handle id) { return index.pins(id) > 0; },
              nb::sig("def pinned(self, id: str | bytes, /) -> bool"))
         .def("pins", &BlockIndex::pins, nb::sig("def pins(self, id: str | bytes, /) -> int"))

@@ -227,6 +227,21 @@ nb::object stored_run(nb::handle seq) {
                           first->lora_name);
 }
 
+// Positions of the pages whose parent is not the page before them in ``seq`` (the first always): only those
+// need their parent looked up (a store keeps a page only if its parent is held). One pass, no ids compared.
+nb::list unchained(nb::handle seq) {
+    nb::list out;
+    const Page *before = nullptr;
+    size_t i = 0;
+    for (nb::handle h : tuple_of(seq)) {
+        const Page *page = as_page(h);
+        if (!before || page->pages != before->pages || page->index != before->index + 1) out.append(i);
+        before = page;
+        ++i;
+    }
+    return out;
+}
+
 nb::list event_hashes(nb::handle seq) {
     nb::list out;
     for (nb::handle h : tuple_of(seq)) {
@@ -357,6 +372,9 @@ void bind_pages(nb::module_ &m) {
           nb::sig("def stored_run(pages: collections.abc.Sequence[Page]) -> "
                   "tuple[list[int], int | None, list[int], str | None, str | None] | None"),
           "One BlockStored's fields for pages that form one chain of one namespace, else None.");
+    m.def("unchained", &unchained, nb::arg("pages"),
+          nb::sig("def unchained(pages: collections.abc.Sequence[Page]) -> list[int]"),
+          "Positions of the pages whose parent is not the page before them (the first always).");
     m.def("event_hashes", &event_hashes, nb::arg("pages"),
           nb::sig("def event_hashes(pages: collections.abc.Sequence[Page]) -> list[int]"),
           "The KV-event block hashes of the pages that have one.");

@@ -46,6 +46,11 @@ class BlockIndex:
         Slots for the leading ids that find one, evicting least recently used blocks: (slots, evicted payloads).
         """
 
+    def reserve_missing(self, ids: Sequence[str | bytes], /) -> tuple[list[int], list[int], list[object]]:
+        """
+        missing + reserve in one call: (positions not held, slots for the leading ones, evicted payloads).
+        """
+
     def commit(self, slots: Sequence[int], payloads: Sequence[object], /) -> None:
         """Register reserved slots, the first most recent."""
 
@@ -61,6 +66,9 @@ class BlockIndex:
     def pin(self, ids: Sequence[str | bytes], /) -> list[int]: ...
 
     def unpin(self, ids: Sequence[str | bytes], /) -> None: ...
+
+    def unpin_slots(self, slots: Sequence[int], /) -> None:
+        """unpin by the slots pin returned (a slot dropped since is left alone)."""
 
     def pinned(self, id: str | bytes, /) -> bool: ...
 
@@ -190,6 +198,11 @@ def describe(tokens: Sequence[int], length: int, page_size: int, bigram: bool, s
 def stored_run(pages: Sequence[Page]) -> tuple[list[int], int | None, list[int], str | None, str | None] | None:
     """
     One BlockStored's fields for pages that form one chain of one namespace, else None.
+    """
+
+def unchained(pages: Sequence[Page]) -> list[int]:
+    """
+    Positions of the pages whose parent is not the page before them (the first always).
     """
 
 def event_hashes(pages: Sequence[Page]) -> list[int]:

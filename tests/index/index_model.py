@@ -120,6 +120,16 @@ class IndexModel:
         self.once(keys, "block")
         if any(k in self.table for k in keys):
             raise BlockStateError("held already")
+        return self._take(keys)
+
+    def reserve_missing(self, ids):
+        keys = keys_of(ids)
+        todo = [n for n, key in enumerate(keys) if key not in self.table]
+        wanted = [keys[n] for n in todo]
+        self.once(wanted, "block")
+        return (todo, *self._take(wanted))
+
+    def _take(self, keys):
         evicted: list = []
         if len(self.free) < len(keys):
             self._evict(len(keys) - len(self.free), evicted)
@@ -202,6 +212,11 @@ class IndexModel:
         for key in keys_of(ids):
             s = self.registered_slot(key)
             if s >= 0 and self.pin_count[s]:
+                self.pin_count[s] -= 1
+
+    def unpin_slots(self, slot_seq):
+        for s in self.slots_of(slot_seq):
+            if self.state[s] == REGISTERED and not self.orphan[s] and self.pin_count[s]:
                 self.pin_count[s] -= 1
 
     # -- dropping ------------------------------------------------------------------------------------------

@@ -121,7 +121,7 @@ class IndexMachine(RuleBasedStateMachine):
         now and then one from anywhere, a repeat or a bad id; 0, a few, or several times the capacity."""
         held = {model.key[s] for s in model.lru} if want == "registered" else set(model.table)
         base = [k for k in POOL if (k in held) == (want == "registered")] if want != "any" else POOL
-        size = data.draw(st.sampled_from([0, 1, 2, 3, 5, 8, 3 * self.cap + 3]), label="batch")
+        size = data.draw(st.sampled_from([0, 1, 2, 3, 5, 8, 3 * self.cap + 3, 40]), label="batch")  # 40: 3 groups
         keys = data.draw(st.lists(st.sampled_from(base or POOL), min_size=min(size, len(base or POOL)),
                                   max_size=size, unique=True))
         if keys and data.draw(st.integers(0, 5), label="one from anywhere?") == 0:
@@ -189,6 +189,14 @@ class IndexMachine(RuleBasedStateMachine):
             self.both(index, model, "abort", reserved[0])
 
     @rule(data=st.data())
+    def offload(self, data):
+        """An offload's first tier: the ids of a node, some held already, reserved where missing, then registered."""
+        index, model = self.pair(data)
+        reserved = self.both(index, model, "reserve_missing", self.ids(data, model, want="any"))
+        if reserved and reserved[1]:
+            self.both(index, model, "commit", reserved[1], self.payloads(len(reserved[1])))
+
+    @rule(data=st.data())
     def commit(self, data):
         index, model = self.pair(data)
         slots = self.slots(data, self.slots_in(model, MUTABLE))
@@ -224,6 +232,13 @@ class IndexMachine(RuleBasedStateMachine):
             self.both(index, model, "remove", ids, True)
         else:
             self.both(index, model, call, ids)
+
+    @rule(data=st.data())
+    def unpin_slots(self, data):
+        """A load's rows let go by the slots its pin returned (some pinned twice, some dropped or freed since)."""
+        index, model = self.pair(data)
+        pinned = [s for s in range(model.cap) if model.pin_count[s]]
+        self.both(index, model, "unpin_slots", self.slots(data, pinned))
 
     @rule(data=st.data(), call=st.sampled_from(["drop_slots", "set_free", "add_free"]))
     def slot_sets(self, data, call):

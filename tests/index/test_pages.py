@@ -13,7 +13,7 @@ import blocks_under_test  # noqa: F401 - the build under test, before the index
 import pytest
 
 from sglang_kvbm import _blocks
-from sglang_kvbm._blocks import PageIdentityError, Pages, describe, event_hashes, stored_run
+from sglang_kvbm._blocks import PageIdentityError, Pages, describe, event_hashes, stored_run, unchained
 from sglang_kvbm.core.identity import chain_hashes, event_id, namespace_seed
 from sglang_kvbm.core.pages import bare_pages, one_page
 
@@ -178,6 +178,26 @@ def test_stored_run_is_one_event_for_one_chain_of_one_namespace():
         stored_run(["not a page"])
     with pytest.raises(TypeError):
         event_hashes([None])
+
+
+def test_unchained_names_each_page_whose_parent_is_not_the_page_before_it():
+    tokens = list(range(24))
+    chain = chain_hashes(tokens, 4)
+    node = describe(tokens, 24, 4, False, None, chain, False)
+    views = node.views()
+    assert unchained(views) == [0]
+    assert unchained(node.views([0, 1, 3, 4, 5])) == [0, 2]  # a gap: page 3's parent is not in the list
+    assert unchained(views[2:] + views[:2]) == [0, 4]  # the wrap: page 0 does not follow page 5
+    # The same pages made one by one: equal pages, but nothing says they chain, so each is looked up.
+    alone = [one_page(chain[i], tokens[4 * i:4 * i + 4], parent_id=chain[i - 1] if i else None) for i in range(3)]
+    assert alone == views[:3] and unchained(alone) == [0, 1, 2]
+    assert unchained([]) == []
+    with pytest.raises(TypeError):
+        unchained([views[0], "not a page"])
+    # Each listed page really is one whose parent is elsewhere; each other one's parent is the page before it.
+    mixed = views[3:] + node.views([0, 1])
+    listed = set(unchained(mixed))
+    assert all((mixed[i].parent_id == mixed[i - 1].block_id) != (i in listed) for i in range(1, len(mixed)))
 
 
 def test_views_keep_their_record_alive():

@@ -6,7 +6,8 @@ storage-hash chain and checked, without the GIL) into a :class:`Pages` record:
 block ids, token ids, the parent of its first page and its KV-event ids. Each
 stored page is a :class:`Page` view of that record, made in bulk; nothing about
 a page becomes a Python object until a tier asks for it (a disk header, an
-event built from many pages at once by ``_blocks.stored_run``).
+event built from many pages at once by ``_blocks.stored_run``; which pages of a list follow the one
+before them, ``unchained``).
 
 A :class:`Page` answers ``block_id``, ``parent_id`` (the block id of the page
 before it in its sequence, None for a first page: a block is only worth
@@ -20,9 +21,9 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from sglang_kvbm._blocks import Page, Pages, event_hashes, stored_run
+from sglang_kvbm._blocks import Page, Pages, event_hashes, stored_run, unchained
 
-__all__ = ["Page", "Pages", "bare_pages", "event_hashes", "one_page", "stored_run"]
+__all__ = ["Page", "Pages", "bare_pages", "event_hashes", "one_page", "stored_run", "unchained"]
 
 
 def one_page(block_id: str, token_ids: Sequence[int] = (), *, parent_id: Optional[str] = None,

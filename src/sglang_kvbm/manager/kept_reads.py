@@ -78,7 +78,7 @@ class KeptReads:
         metas = pool.metas_of(ids)
         if len(metas) < len(ids):  # not registered in staging any more (cannot happen while the load pins them)
             return
-        reachable = self._reachable(metas, set(ids))
+        reachable = self._reachable(metas, ids)
         ids, metas = ids[:reachable], metas[:reachable]
         if not ids:
             return

@@ -231,7 +231,7 @@ class TierReads:
         host, current = self._host, plan.generation == self._generation()
         if plan.host_ids:
             if current:
-                host.unpin(plan.host_ids)
+                host.unpin_rows(plan.host_rows)
             host.release_orphans(plan.host_rows)
             if current and reused and self._offer_reused is not None:
                 self._offer_reused(host.metas_of(plan.host_ids))

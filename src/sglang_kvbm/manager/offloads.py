@@ -28,21 +28,18 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import operator
 from collections import deque
 from concurrent.futures import Executor, Future
-from itertools import compress
 from typing import Callable, Optional, Sequence
 
 from sglang_kvbm.core.identity import BlockId
-from sglang_kvbm.core.pages import Page
+from sglang_kvbm.core.pages import Page, unchained
 from sglang_kvbm.core.ports import StoreRequest, TierEvent, TierEventKind
 from sglang_kvbm.core.tiers import DEVICE, DISK, HOST, TierInfo
 from sglang_kvbm.transfer import copies
 from sglang_kvbm.transfer.lanes import LaneExecutor
 
 logger = logging.getLogger(__name__)
-_parent_id = operator.attrgetter("parent_id")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,10 +93,8 @@ class Offloads:
         self._parts[ticket] = [0, True]
         ids = request.block_ids
         host, disk = self.host, self.disk
-        top = host if host is not None else disk
-        todo = top.missing(ids)  # positions not held (nor on their way) where the pages go first
-        if todo and host is not None:
-            rows, evicted = host.reserve([ids[i] for i in todo])
+        if host is not None:  # positions not held (nor on their way) where the pages go first, and their rows
+            todo, rows, evicted = host.reserve_missing(ids)
             self._removed(HOST, evicted)
             if rows:
                 positions, todo = todo[: len(rows)], todo[len(rows) :]
@@ -107,8 +102,11 @@ class Offloads:
                 self._queued.append((future, request, positions, rows, self._generation))
                 self._submit(_Job(ticket, HOST, tuple(map(ids.__getitem__, positions)), tuple(rows), self._generation,
                                   future))
+        else:
+            todo = disk.missing(ids)
         if todo and disk is not None:
-            todo = list(map(todo.__getitem__, disk.missing(list(map(ids.__getitem__, todo)))))
+            if host is not None:
+                todo = list(map(todo.__getitem__, disk.missing(list(map(ids.__getitem__, todo)))))
             reserved, evicted = disk.reserve(list(map(ids.__getitem__, todo)))
             self._removed(DISK, evicted)
             if reserved:
@@ -179,7 +177,7 @@ class Offloads:
             return False
         result = job.future.result()
         metas, seconds = result[0], result[-1]
-        reachable = self.reachable(metas, set(job.ids))
+        reachable = self.reachable(metas, job.ids)
         if reachable < len(metas):  # a page whose parent is held nowhere below could never be hit
             self.stats.blocks_dropped_unreachable += len(metas) - reachable
         keep = metas[:reachable]
@@ -197,18 +195,21 @@ class Offloads:
             reachable = len(registered)
         return reachable == len(metas)
 
-    def reachable(self, metas: Sequence[Page], ids: set) -> int:
-        """How many leading pages have their parent in this copy or held below (registered or on its way).
+    def reachable(self, metas: Sequence[Page], ids: Sequence[BlockId]) -> int:
+        """How many leading pages have their parent in this copy (``ids``) or held below (registered or on its way).
 
-        Only pages whose parent is outside the copy (usually the first alone) are looked up; finding them is C."""
-        parents = list(map(_parent_id, metas))
-        outside = compress(range(len(metas)), map(operator.not_, map(ids.__contains__, parents)))
+        Only pages whose parent is not the page before them (``unchained``: usually the first alone) are looked
+        up; finding those is one C call, with no id read."""
         host, disk = self.host, self.disk
-        for i in outside:
-            parent = parents[i]
+        copied = None
+        for i in unchained(metas):
+            parent = metas[i].parent_id
             if parent is None or (host is not None and host.holds(parent)) or (disk is not None and disk.holds(parent)):
                 continue
-            return i
+            if copied is None:
+                copied = set(ids)
+            if parent not in copied:
+                return i
         return len(metas)
 
     def _abort(self, job: _Job) -> None:

@@ -64,6 +64,11 @@ class HostBlockPool:
         """
         return self.index.reserve(block_ids)
 
+    def reserve_missing(self, block_ids: Sequence[BlockId]) -> tuple[list[int], list[int], list[Page]]:
+        """:meth:`missing` and :meth:`reserve` of those blocks in one call: ``(positions not held, rows for the
+        leading ones of them, metas evicted)``."""
+        return self.index.reserve_missing(block_ids)
+
     def commit(self, metas: Sequence[Page], rows: Sequence[int]) -> None:
         """The rows hold the bytes: commit and register the blocks.
 
@@ -89,6 +94,11 @@ class HostBlockPool:
 
     def unpin(self, block_ids: Sequence[BlockId]) -> None:
         self.index.unpin(block_ids)
+
+    def unpin_rows(self, rows: Sequence[int]) -> None:
+        """Undo a :meth:`pin` by the rows it returned. A pinned row keeps its block until unpinned (eviction and
+        :meth:`remove` skip it, :meth:`forget` orphans it), so no id is looked up again."""
+        self.index.unpin_slots(rows)
 
     def meta_of(self, block_id: BlockId) -> Page:
         return self.index.payload(self.index.slot(block_id))
