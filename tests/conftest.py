@@ -237,11 +237,23 @@ class Stack:
     def host_blocks(self) -> int:
         return len(self.manager.host) if self.manager.host is not None else 0
 
-    def admit(self, tokens, rid: str = "r", *, cache_salt=None, extra_key=None):
+    def admit(self, tokens, rid: str = "r", *, cache_salt=None, extra_key=None, requeue: bool = True):
         """What the scheduler does for a new request: match, load back (queued), start the layer-wise load.
 
-        Returns ``(req, match, loaded tokens, private slots of the load or None, consumer index)``.
+        Returns ``(req, match, loaded tokens, private slots of the load or None, consumer index)``. A request the
+        tree keeps waiting (``init_load_back`` answered None: SGLang 0.5.21 with reads below host in flight) is
+        matched again once they land, as the scheduler's next round does; ``requeue=False``: it loaded 0.
         """
+        from concurrent.futures import wait
+
+        for _ in range(3):
+            got, waiting = self._admit_once(tokens, rid, cache_salt=cache_salt, extra_key=extra_key)
+            if not waiting or not requeue:
+                break
+            wait(self.manager.staging.in_flight(), timeout=60)
+        return got
+
+    def _admit_once(self, tokens, rid: str, *, cache_salt, extra_key):
         from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, MatchPrefixParams
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
@@ -253,9 +265,14 @@ class Stack:
         match = self.tree.match_prefix(MatchPrefixParams(key=key, req=req))
         admit_match(req, match)
         loaded, slots, index = 0, None, -1
+        answer = None
         if match.host_hit_length:
-            loaded, inserted = loaded_tail(self.tree.init_load_back(InitLoadBackParams(
-                best_match_node=match.best_match_node, host_hit_length=match.host_hit_length, req=req)))
+            answer = self.tree.init_load_back(InitLoadBackParams(
+                best_match_node=match.best_match_node, host_hit_length=match.host_hit_length, req=req))
+            if answer is None:  # kept waiting for its reads (SGLang 0.5.21, ``lookup_pins``)
+                return (req, match, 0, None, -1), True
+        if answer is not None:
+            loaded, inserted = loaded_tail(answer)
             if inserted is not None:  # SGLang 0.5.21: the tail's slots, in the tree already
                 slots = inserted.clone()
             elif loaded:
@@ -263,7 +280,7 @@ class Stack:
             if loaded:
                 index = self.tree.ready_to_load_host_cache()
                 self._loading[rid] = index
-        return req, match, loaded, slots, index
+        return (req, match, loaded, slots, index), False
 
     def finish(self, req) -> bool:
         """After the forward: wait for the batch's loads; True when they landed."""

@@ -306,8 +306,8 @@ def test_custom_insert_of_pages_cached_meanwhile_frees_each_duplicate_once(stack
 
 
 def test_the_cache_wrappers_reach_the_linker_through_its_methods_only():
-    """``cache_wrappers`` brackets the insert, reads the staged blocks and joins the events through the linker's
-    methods, in the tree's own order, and touches nothing else of it (a linker with no other attribute serves)."""
+    """``cache_wrappers`` brackets the insert, asks whether a load waits, reads the staged blocks and joins the
+    events through the linker's methods, in the tree's own order, and touches nothing else of it (a linker with no other attribute serves)."""
     from types import SimpleNamespace
 
     from sglang_kvbm.integration.sglang.cache_wrappers import wrap_cache
@@ -324,6 +324,10 @@ def test_the_cache_wrappers_reach_the_linker_through_its_methods_only():
         def end_insert(self):
             calls.append(("end",))
 
+        def defers_load(self, rid):
+            calls.append(("defers", rid))
+            return rid == "waiting"
+
         def staged_blocks(self, rid):
             calls.append(("staged", rid))
             return 3
@@ -336,7 +340,11 @@ def test_the_cache_wrappers_reach_the_linker_through_its_methods_only():
         calls.append(("insert",))
         raise RuntimeError("the tree's insert failed")
 
-    cache = SimpleNamespace(insert=insert, init_load_back=lambda params: "loaded", take_events=lambda: ["tree"])
+    def init_load_back(params):
+        calls.append(("load", params.req.rid if params.req else None))
+        return "loaded"
+
+    cache = SimpleNamespace(insert=insert, init_load_back=init_load_back, take_events=lambda: ["tree"])
     wrap_cache(PublicOnly(), cache)
     with pytest.raises(RuntimeError):
         cache.insert(SimpleNamespace(key="k", priority=None))
@@ -344,5 +352,7 @@ def test_the_cache_wrappers_reach_the_linker_through_its_methods_only():
     assert cache.init_load_back(SimpleNamespace(req=req)) == "loaded"
     assert (req.storage_hit_length, req.storage_hit_start) == (12, None)
     assert cache.init_load_back(SimpleNamespace(req=None)) == "loaded"
+    assert cache.init_load_back(SimpleNamespace(req=SimpleNamespace(rid="waiting"))) is None  # kept in the queue
     assert cache.take_events() == ["tree", "tier"]
-    assert calls == [("begin", "k", None), ("insert",), ("end",), ("staged", "r"), ("join", ["tree"])]
+    assert calls == [("begin", "k", None), ("insert",), ("end",), ("defers", "r"), ("load", "r"), ("staged", "r"),
+                     ("load", None), ("defers", "waiting"), ("join", ["tree"])]

@@ -169,3 +169,37 @@ def test_a_failed_copy_through_the_tree_serves_the_right_bytes(stack_factory):
     assert loaded == 32 and stack.finish(req) and fault.failed == [index]
     for got, want in zip(stack.read_pages(slots), written):
         assert torch.equal(got, want)
+
+
+@only_on_0_5_21
+def test_a_request_whose_blocks_are_being_read_waits_in_the_queue_not_on_the_scheduler_thread(stack_factory, tmp_path):
+    """SGLang 0.5.21 cannot refuse a load: the tree's init_load_back answers None (SGLang keeps the request waiting)
+    while its reads below host are in flight, and the next round loads them."""
+    from concurrent.futures import ThreadPoolExecutor, wait
+
+    from conftest import GatedLanes
+
+    reader = GatedLanes("kvbm-test-disk-read")
+    stack = stack_factory(page_size=4, host_blocks=4, disk_blocks=64, disk_dir=tmp_path, reader=reader,
+                          executor=ThreadPoolExecutor(1, thread_name_prefix="kvbm-test-offload"))
+    tokens = list(range(300, 308))
+    written = stack.insert(tokens, seed=11)
+    stack.settle()
+    stack.evict_all()
+    keys = stack.block_ids(tokens)
+    stack.manager.host.remove(keys)  # on disk only
+    busy = reader.submit(lambda: None)  # the disk is busy: the reads below stay in flight
+    reader.wait_held()
+    req, match, loaded, _, _ = stack.admit(tokens + [1], "a", requeue=False)
+    assert match.host_hit_length == 8 and loaded == 0  # reported, and kept waiting: nothing loaded...
+    assert reader.held == 1 and stack.manager.reads.load_waits == 0  # ...and nothing waited for the disk
+    assert stack.linker.pins.deferrals >= 1 and len(stack.linker.pins) == 0
+    reader.open()
+    busy.result(timeout=10)
+    wait(stack.manager.staging.in_flight(), timeout=10)
+    stack.scramble_pool()
+    req, match, loaded, slots, _ = stack.admit(tokens + [1], "a")  # the next round
+    assert loaded == 8 and stack.finish(req)
+    for got, want in zip(stack.read_pages(slots), written):
+        assert torch.equal(got, want)
+    stack.tree.linker.release_request("a")

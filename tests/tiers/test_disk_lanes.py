@@ -13,12 +13,13 @@ lets it run (``GatedLanes``).
 
 import threading
 from array import array
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import pytest
 import torch
 
 from conftest import GatedLanes, make_req, needs_refusable_loads
+from sglang_kvbm.integration.sglang.lookup_pins import LookupPins
 from sglang_kvbm.transfer.lanes import LaneExecutor
 
 PAGE = 4
@@ -141,6 +142,7 @@ def test_a_load_waits_only_for_its_own_reads(stack_factory, tmp_path):
     stack.tree.linker.release_request("waiting")
 
 
+@needs_refusable_loads  # on 0.5.21 no load waits: the request waits in the queue (the tests below)
 def test_a_load_gives_up_past_the_read_meters_estimate_and_the_read_serves_later(stack_factory, tmp_path):
     reader = RecordingReader()
     stack = _disk_stack(stack_factory, tmp_path, reader=reader)
@@ -167,3 +169,59 @@ def test_a_load_gives_up_past_the_read_meters_estimate_and_the_read_serves_later
     assert loaded == 2 * PAGE and stack.finish(req)
     assert all(torch.equal(g, w) for g, w in zip(stack.read_pages(slots), written))
     assert stats.load_waits == 1  # nothing left to wait for
+
+
+# -- reads deferred (SGLang 0.5.21's flow, ``lookup_pins``): the request waits in the queue, the scheduler never ----
+
+
+def _deferring(stack_factory, tmp_path, tokens):
+    """A stack whose prefix ``tokens`` is on disk only, its reader held busy, lookups deferring; ``(stack, keys,
+    pins, reader, busy job, clock, pages written)``."""
+    reader = RecordingReader()
+    stack = _disk_stack(stack_factory, tmp_path, reader=reader)
+    (written,) = _only_on_disk(stack, tokens)
+    stack.manager.defer_reads()
+    clock = [100.0]
+    pins = LookupPins(stack.linker.connector, clock=lambda: clock[0])
+    busy = reader.submit(lambda: None)
+    reader.wait_held()
+    return stack, stack.block_ids(tokens), pins, reader, busy, clock, written
+
+
+def _lookup(stack, pins, rid, keys) -> int:
+    return pins.pin(rid, keys, stack.linker.connector.lookup(rid, keys))
+
+
+def test_a_lookup_with_reads_in_flight_reports_them_pins_nothing_and_waits_for_none(stack_factory, tmp_path):
+    tokens = list(range(300, 300 + 2 * PAGE))
+    stack, keys, pins, reader, busy, _, _ = _deferring(stack_factory, tmp_path, tokens)
+    assert _lookup(stack, pins, "a", keys) == 2  # what the reads will serve (the disk is held: they cannot have)
+    assert pins.deferred("a") and len(pins) == 0 and pins.deferrals == 1
+    assert _lookup(stack, pins, "a", keys) == 2 and pins.deferred("a")  # the next round: still reading
+    assert stack.manager.reads.load_waits == 0  # nothing waited on this thread
+    reader.open()
+    busy.result(timeout=10)
+    wait(stack.manager.staging.in_flight(), timeout=10)
+    assert _lookup(stack, pins, "a", keys) == 2 and not pins.deferred("a") and len(pins) == 1
+    plan = pins.take("a", keys)  # verified reads, pinned in staging (SGLang 0.5.21's tree loads them: test_lookup_pins)
+    assert plan.staged_blocks == 2 and plan.staged_from == ["disk", "disk"]
+    assert stack.manager.reads.load_waits == 0
+    stack.linker.connector.cancel(plan)
+
+
+def test_a_request_waits_for_its_reads_once_and_no_longer_than_a_load_would(stack_factory, tmp_path):
+    tokens = list(range(400, 400 + 2 * PAGE))
+    stack, keys, pins, reader, busy, clock, _ = _deferring(stack_factory, tmp_path, tokens)
+    assert _lookup(stack, pins, "a", keys) == 2 and pins.deferred("a")
+    clock[0] += 3600  # past any load's wait: the disk is stuck
+    assert _lookup(stack, pins, "a", keys) == 0  # it takes what is servable now: nothing in host
+    assert not pins.deferred("a") and pins.waits_expired == 1
+    assert _lookup(stack, pins, "a", keys) == 0 and not pins.deferred("a")  # one wait per request
+    assert stack.manager.reads.load_waits == 0
+    pins.forget("a")  # the request went away: a new one with its id may wait again
+    assert _lookup(stack, pins, "a", keys) == 2 and pins.deferred("a")
+    pins.release_all()  # the batch formed without it
+    assert not pins.deferred("a")
+    reader.open()
+    busy.result(timeout=10)
+    stack.settle()

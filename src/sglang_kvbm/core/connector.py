@@ -162,6 +162,11 @@ class KvbmConnector:
             logger.info("kvbm: load of %d blocks missed; the request recomputes them", len(block_ids))
         return plan
 
+    def reads_in_flight(self, block_ids: Sequence[BlockId], hit: int) -> tuple[int, list, float]:
+        """``(claim, reads, budget)``: the leading blocks a lookup that found ``hit`` can serve once the reads in
+        flight land, their futures (none: nothing to wait for) and how long a load would wait for them."""
+        return self._manager.reads_in_flight(block_ids, hit) if block_ids else (hit, [], 0.0)
+
     def release(self, plan: LoadPlan, *, landed: bool) -> None:
         """The copies of a load are over; count it if its bytes reached the device."""
         self._manager.release(plan, reused=landed)

@@ -107,6 +107,11 @@ class BlockManager(Protocol):
       be proven intact are a miss (and dropped, with their ``REMOVED`` event).
       :meth:`release` unpins them once the copies are done (``reused``: the
       load ran, which counts as a use of the blocks).
+    * :meth:`reads_in_flight` says, for a lookup's ``hit``, how many leading ids
+      will be servable once the reads in flight land, their futures and how
+      long a load would wait for them; after :meth:`defer_reads` neither
+      :meth:`lookup` nor :meth:`acquire` waits for a read (a read in flight is
+      a miss to ``acquire``): the caller defers the request instead.
     * :meth:`poll` never blocks. It returns the finished store tickets, in
       submission order, and the tier events since the previous call.
     * :meth:`wait` waits for the copies submitted so far and :meth:`busy` says
@@ -124,6 +129,10 @@ class BlockManager(Protocol):
     def acquire(self, block_ids: Sequence[BlockId]) -> Optional[LoadPlan]: ...
 
     def release(self, plan: LoadPlan, *, reused: bool = True) -> None: ...
+
+    def reads_in_flight(self, block_ids: Sequence[BlockId], hit: int) -> tuple[int, list, float]: ...
+
+    def defer_reads(self) -> None: ...
 
     def poll(self) -> PollResult: ...
 

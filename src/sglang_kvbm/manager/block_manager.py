@@ -108,7 +108,8 @@ class LocalBlockManager:
         reads = self.reads
         kept = self.kept.stats if self.kept is not None else {}
         return {**self.offloads.stats.__dict__, **kept, "load_waits": reads.load_waits,
-                "load_waits_expired": reads.load_waits_expired, "remote_waits_expired": reads.remote_waits_expired}
+                "load_waits_expired": reads.load_waits_expired, "remote_waits_expired": reads.remote_waits_expired,
+                "read_wait_seconds": reads.wait_seconds}
 
     def generation(self) -> int:
         """Of the tiers' contents: a reset or drop moves it (writes and reads of an older one register nothing)."""
@@ -155,6 +156,14 @@ class LocalBlockManager:
 
     def acquire(self, block_ids: Sequence[BlockId]) -> Optional[PinnedRows]:
         return self.reads.acquire(block_ids)
+
+    def reads_in_flight(self, block_ids: Sequence[BlockId], hit: int) -> tuple[int, list, float]:
+        return self.reads.reads_in_flight(block_ids, hit)
+
+    def defer_reads(self) -> None:
+        """The caller waits for reads below host itself (``reads_in_flight``), off the scheduler thread: from now
+        on lookups and ``acquire`` never wait for one."""
+        self.reads.waits = False
 
     def release(self, plan: PinnedRows, *, reused: bool = True) -> None:
         self.reads.release(plan, reused=reused)

@@ -20,6 +20,7 @@ import collections
 import dataclasses
 import logging
 import operator
+import time
 from concurrent.futures import wait
 from itertools import compress, repeat
 from typing import Callable, Optional, Sequence
@@ -93,7 +94,12 @@ class TierReads:
         self._load_timeout = load_timeout
         self._generation = generation
         self.keep: Optional[Callable] = None  # (staged ids, their tiers): a landed load's reads kept in host
+        # False where the caller waits for reads itself, off the scheduler thread (``reads_in_flight``; SGLang
+        # 0.5.21: a request is kept in the queue): lookups start remote reads without waiting for them, and
+        # ``acquire`` misses rather than wait for a read in flight.
+        self.waits = True
         self.load_waits = self.load_waits_expired = self.remote_waits_expired = 0
+        self.wait_seconds = 0.0  # the scheduler thread's time waiting for reads (lookups' remote reads, loads')
 
     def _held(self, block_ids: Sequence[BlockId], *, staged: bool) -> tuple[int, bytes]:
         """``(leading blocks servable, 1/0 per one of them: in host)``; servable: in host, an indexed tier or (with
@@ -155,16 +161,19 @@ class TierReads:
         return hit, found
 
     def _fetch(self, tier, block_ids: Sequence[BlockId], hit: int) -> int:
-        """How many blocks after ``hit`` a remote tier serves: read into staging now, waited for a bounded time."""
+        """How many blocks after ``hit`` a remote tier serves: read into staging now, waited for a bounded time
+        (unless the caller defers the request instead: ``waits``)."""
         staging = self._staging
         futures = staging.fetch(tier, block_ids[hit:], keep=block_ids[:hit])
-        if futures:
+        if futures and self.waits:
             estimate = tier.meter.estimate(len(block_ids[hit:]) * staging.slot_bytes)
             budget = self._first_read_wait() if estimate is None else WAIT_SLACK * estimate + self._floor()
+            started = time.perf_counter()
             done, _ = wait(futures, timeout=min(budget, self._load_timeout))
+            self.wait_seconds += time.perf_counter() - started
             if len(done) < len(futures):
                 self.remote_waits_expired += 1
-            staging.collect()
+        staging.collect()  # reads that landed since the step's poll (``defer_reads``: a request that waited for them)
         return staging.pool.index.run(block_ids[hit:])
 
     def acquire(self, block_ids: Sequence[BlockId]) -> Optional[PinnedRows]:
@@ -184,11 +193,18 @@ class TierReads:
                 return None
             for tier in self._indexed:
                 staging.prefetch(tier, [b for b in lower if tier.holds(b)], keep=lower)
+            if not self.waits:
+                staging.collect()  # reads that landed since the step's poll
             pending = staging.pending_bytes(lower)
+            if pending and not self.waits:
+                return None
             if pending:
                 self.load_waits += 1
                 budget = self._wait_budget(pending, staging.pending_tiers(lower))
-                if not staging.wait(lower, budget):
+                started = time.perf_counter()
+                landed = staging.wait(lower, budget)
+                self.wait_seconds += time.perf_counter() - started
+                if not landed:
                     self.load_waits_expired += 1
                     logger.warning("kvbm: this request's reads below host (%d bytes) took over %.3f s; it recomputes "
                                    "them", pending, budget)
@@ -204,6 +220,24 @@ class TierReads:
         if plan.staged_ids:
             plan.staged_rows = staging.pool.pin(plan.staged_ids)
         return plan
+
+    def reads_in_flight(self, block_ids: Sequence[BlockId], hit: int) -> tuple[int, list, float]:
+        """For a lookup that found ``hit`` leading blocks servable: ``(claim, reads, budget)``, the leading blocks
+        servable once the reads in flight land (``hit``, and the run after it a remote tier is reading or has
+        staged since), the futures of those reads (none: ``claim`` is servable now), and how long a load would wait
+        for them."""
+        staging = self._staging
+        if staging is None or (not staging.busy() and hit == len(block_ids)):  # the usual case: nothing is read
+            return hit, [], 0.0
+        staging.collect()
+        claim = hit
+        while claim < len(block_ids) and (staging.reading(block_ids[claim]) or staging.staged(block_ids[claim])):
+            claim += 1
+        reading = list(compress(block_ids[:claim], map(staging.reading, block_ids[:claim]))) if staging.busy() else []
+        if not reading:
+            return claim, [], 0.0
+        reads = staging.futures_of(reading)
+        return claim, reads, self._wait_budget(staging.pending_bytes(reading), staging.pending_tiers(reading))
 
     def _wait_budget(self, pending: int, tiers) -> float:
         """How long a load may wait for ``pending`` bytes of its own reads (one other job may be running)."""

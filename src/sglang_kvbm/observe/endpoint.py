@@ -34,6 +34,8 @@ def stats_of(linker) -> dict:
         "block_bytes": {HOST.name: block, **{name: tier.header_bytes + block for name, tier in manager.tiers.items()}},
         "chain": [HOST.name, *manager.tiers],
     }
+    if linker.pins is not None:  # SGLang 0.5.21: requests kept waiting for their reads below host
+        extra["lookup_waits"] = {"deferred": linker.pins.deferrals, "expired": linker.pins.waits_expired}
     if sidecars:  # hybrid models: each sidecar pool's tiers (sliding-window pages, Mamba states), by pool
         extra["sidecars"] = {name: {"tiers": {c.tier: (c.blocks, c.capacity) for c in m.counts()},
                                     "block_bytes": m.layout.block_bytes, "local": m.stats}

@@ -118,6 +118,14 @@ class ReadStaging:
         jobs = {id(job): job for job in map(self._jobs.get, block_ids) if job is not None}
         return sum(len(job.ids) for job in jobs.values()) * self.slot_bytes
 
+    def busy(self) -> bool:
+        """Some read is in flight (or done and not collected yet)."""
+        return bool(self._pending)
+
+    def futures_of(self, block_ids: Sequence[BlockId]) -> list[Future]:
+        """The futures of the reads in flight for these blocks, each once."""
+        return list({id(job): job.read.future for job in map(self._jobs.get, block_ids) if job is not None}.values())
+
     def pending_tiers(self, block_ids: Sequence[BlockId]) -> list[LowerTier]:
         """The tiers these blocks are being read from."""
         return list({id(job.tier): job.tier for job in map(self._jobs.get, block_ids) if job is not None}.values())

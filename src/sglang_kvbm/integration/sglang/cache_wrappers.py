@@ -3,12 +3,14 @@
 * ``insert``: the key (and priority) of the insert in progress, which says what
   tokens the pages of the offloads it makes hold;
 * ``init_load_back``: the part of a hit that came from below host is reported as
-  SGLang reports its L3 hits (``cached_tokens_details["storage"]``);
+  SGLang reports its L3 hits (``cached_tokens_details["storage"]``); on SGLang
+  0.5.21 a request whose lookup found reads still in flight gets None, which
+  keeps it waiting in the queue (``lookup_pins``);
 * ``take_events``: this library's tiers' events join the tree's, on its one
   stream, in an order Dynamo's indexer accepts.
 
 The wrappers reach the linker only through its methods (``begin_insert`` /
-``end_insert``, ``staged_blocks``, ``join_tier_events``), whose docstrings say
+``end_insert``, ``defers_load``, ``staged_blocks``, ``join_tier_events``), whose docstrings say
 what each costs the scheduler thread.
 """
 
@@ -31,8 +33,10 @@ def wrap_cache(linker, cache) -> None:
 
     @functools.wraps(init_load_back)
     def init_load_back_reporting_disk(params):
-        result = init_load_back(params)
         req = params.req
+        if req is not None and linker.defers_load(req.rid):
+            return None
+        result = init_load_back(params)
         staged = linker.staged_blocks(req.rid) if req is not None else 0
         if staged:
             req.storage_hit_length = staged * linker.page_size

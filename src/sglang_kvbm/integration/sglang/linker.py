@@ -98,6 +98,7 @@ class KvbmLinker(UnifiedCacheLinker):
         self.pins: Optional[LookupPins] = None
         if not seam().refusable_loads:  # SGLang cannot take a refused or failed load: see the module's docstring
             self.pins = LookupPins(self.connector)
+            self.manager.defer_reads()  # a request waits for its reads in the queue, not the scheduler thread
             self.layer_done_counter.redo = self.loader.redo
         self.admissions = Admissions(self.connector, self.sidecars, self.loads, self.setup, self.pins)
         self.queries = TierQueries(self.tier_tokens)
@@ -120,7 +121,8 @@ class KvbmLinker(UnifiedCacheLinker):
 
         Disk reads start here, not waited for; remote (G4) tiers' reads are, up to SGLANG_KVBM_LOAD_WAIT_MS plus 3x
         the read meter's estimate (capped by the load timeout); PP stages MIN-reduce. ``[]``: a miss, the request
-        computes the tail. 0.5.21: also pins what it reports (``lookup_pins``), waiting for disk reads like ``load``.
+        computes the tail. 0.5.21: also pins what it reports (``lookup_pins``); it waits for no read: with reads in
+        flight it reports what they will serve and the request is kept waiting (``defers_load``).
         """
         return self.admissions.lookup(rid, transfers)
 
@@ -156,7 +158,7 @@ class KvbmLinker(UnifiedCacheLinker):
         blocks. False: none is queued (a started batch is concluded by ``finish_layer_wise_loading``, on 0.5.21 by
         ``pop_completed_load``). 0.5.21 calls it on every request release."""
         if self.pins is not None:
-            self.pins.release(rid)
+            self.pins.forget(rid)
         return self.loads.cancel(rid)
 
     def num_completed_loads(self) -> int:
@@ -296,6 +298,18 @@ class KvbmLinker(UnifiedCacheLinker):
     def end_insert(self) -> None:
         """Scheduler thread, as that insert returns or raises: later offloads are outside an insert (refused)."""
         self._insert = None
+
+    def defers_load(self, rid: str) -> bool:
+        """Scheduler thread, SGLang 0.5.21, as the tree's ``init_load_back`` starts (on every rank and stage, for
+        the same request): True when some rank's lookup for ``rid`` reported reads still in flight; the tree then
+        answers None and SGLang keeps the request waiting (its next lookup pins what landed). Never waits for a read
+        (one MIN-reduce over ranks and stages where there are several)."""
+        if self.pins is None:
+            return False
+        if self.setup.all_agree(not self.pins.deferred(rid), self.cache):
+            return False
+        self.pins.release(rid)  # this rank may have pinned: the next lookup pins again
+        return True
 
     def staged_blocks(self, rid: str) -> int:
         """Scheduler thread, after ``load``: blocks of ``rid``'s queued load read from below host (0: none, or no load
