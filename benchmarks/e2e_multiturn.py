@@ -168,9 +168,11 @@ def main(argv=None) -> int:
             rows.append([r.name, pct(r.ttft, 0.5), pct(r.ttft, 0.9), len(r.ttft) / r.seconds, r.cached,
                          onboard.get("host", 0) * args.page_size, onboard.get("disk", 0) * args.page_size,
                          local.get("load_waits", 0), local.get("read_wait_seconds", 0.0),
-                         r.stats.get("lookup_waits", {}).get("deferred", 0)])
+                         r.stats.get("lookup_waits", {}).get("deferred", 0),
+                         r.stats.get("lookup_waits", {}).get("idle_wait_seconds", 0.0)])
         print(table(["run", "p50 TTFT s", "p90 TTFT s", "req/s", "cached tokens", "from host", "from disk",
-                     "load waits", "scheduler s waiting on reads", "lookups deferred (0.5.21)"], rows))
+                     "load waits", "scheduler s waiting on reads", "lookups deferred (0.5.21)",
+                     "idle scheduler s waiting on reads (0.5.21)"], rows))
         return 0
 
     stock, ideal = runs[0], runs[1]

@@ -220,6 +220,10 @@ void BlockIndex::release_orphans(nb::handle slot_seq) {
 void BlockIndex::touch(nb::handle ids) {
     Slots found;
     registered_slots(ids, found);
+    touch_slots(found);
+}
+
+void BlockIndex::touch_slots(const Slots &found) {
     for (size_t i = found.size(); i-- > 0;)
         if (found[i] >= 0) {
             lru_.unlink(found[i]);

@@ -71,6 +71,7 @@ class BlockIndex {
 
     // -- reads of registered blocks ---------------------------------------------------------
     void touch(nb::handle ids);
+    void touch_slots(const Slots &found);  // ``touch`` of the slots found (-1: skipped), the first most recent
     nb::list pin(nb::handle ids);
     void unpin(nb::handle ids);
     void unpin_slots(nb::handle slot_seq);

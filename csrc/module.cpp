@@ -17,7 +17,9 @@ namespace {
 
 // Per id of the leading run held by any of ``indexes``: a byte whose bit i says indexes[i] registers it.
 // The run ends at the first id none of them holds (the chain's lookups stop there; the rest is not read).
-nb::bytes held_by(nb::handle ids, nb::handle index_seq) {
+// ``touch``: then the blocks of that run indexes[0] registers are made most recently used, as
+// ``indexes[0].touch(ids[:len(run)])`` would, from the slots found (no id read twice).
+nb::bytes held_by(nb::handle ids, nb::handle index_seq, bool touch) {
     kvbm::Items given(index_seq);
     if (given.n > 8) throw nb::value_error("held_by: at most 8 indexes");
     nb::object held[8];  // owned: the list may change once Python code runs
@@ -32,23 +34,29 @@ nb::bytes held_by(nb::handle ids, nb::handle index_seq) {
         held[count] = nb::borrow(h);
         indexes[count++] = index;
     }
+    if (touch && !count) throw nb::value_error("held_by: touch needs an index to touch");
     kvbm::Items it(ids);
     std::string out;
     out.reserve(size_t(it.n));
+    kvbm::Slots first;  // indexes[0]'s slot per id of the run (-1: not there), for ``touch``
     kvbm::IdGroup g;
     int32_t found[8][kvbm::IdGroup::N];
     for (Py_ssize_t i = 0; i < it.n; i += kvbm::IdGroup::N) {
         g.read(it.items, it.n, i);
         for (size_t t = 0; t < count; ++t) indexes[t]->find_group(g.key, g.ok, g.n, true, found[t]);
-        for (Py_ssize_t j = 0; j < g.n; ++j) {
+        Py_ssize_t j = 0;
+        for (; j < g.n; ++j) {
             if (!g.ok[j]) kvbm::bad_id(it.items[i + j]);
             uint8_t mask = 0;
             for (size_t t = 0; t < count; ++t)
                 if (found[t][j] >= 0) mask |= uint8_t(1u << t);
-            if (!mask) return nb::bytes(out.data(), out.size());
+            if (!mask) break;
             out.push_back(char(mask));
+            if (touch) first.push_back(found[0][j]);
         }
+        if (j < g.n) break;
     }
+    if (touch) const_cast<BlockIndex *>(indexes[0])->touch_slots(first);  // held[0] keeps it alive
     return nb::bytes(out.data(), out.size());
 }
 
@@ -130,8 +138,10 @@ NB_MODULE(_blocks, m) {
         .def("orphan_count", &BlockIndex::orphan_count)
         .def("set_free", &BlockIndex::set_free, nb::sig("def set_free(self, slots: " SLOTS ", /) -> None"))
         .def("add_free", &BlockIndex::add_free, nb::sig("def add_free(self, slots: " SLOTS ", /) -> None"));
-    m.def("held_by", &held_by, nb::arg("ids"), nb::arg("indexes"),
-          nb::sig("def held_by(ids: " IDS ", indexes: collections.abc.Sequence[BlockIndex]) -> bytes"),
-          "Per id of the leading run held by any index, a byte whose bit i says indexes[i] registers it.");
+    m.def("held_by", &held_by, nb::arg("ids"), nb::arg("indexes"), nb::arg("touch") = false,
+          nb::sig("def held_by(ids: " IDS ", indexes: collections.abc.Sequence[BlockIndex], touch: bool = False) "
+                  "-> bytes"),
+          "Per id of the leading run held by any index, a byte whose bit i says indexes[i] registers it; "
+          "``touch``: indexes[0]'s blocks of that run are made most recently used, the first most.");
     kvbm::bind_pages(m);
 }

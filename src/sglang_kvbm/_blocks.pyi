@@ -100,9 +100,9 @@ class BlockIndex:
 
     def add_free(self, slots: Sequence[int], /) -> None: ...
 
-def held_by(ids: Sequence[str | bytes], indexes: Sequence[BlockIndex]) -> bytes:
+def held_by(ids: Sequence[str | bytes], indexes: Sequence[BlockIndex], touch: bool = False) -> bytes:
     """
-    Per id of the leading run held by any index, a byte whose bit i says indexes[i] registers it.
+    Per id of the leading run held by any index, a byte whose bit i says indexes[i] registers it; ``touch``: indexes[0]'s blocks of that run are made most recently used, the first most.
     """
 
 class PageIdentityError(RuntimeError):

@@ -316,13 +316,15 @@ class IndexModel:
             out.append(self._drop_registered(s))
 
 
-def held_by(ids, indexes) -> bytes:
+def held_by(ids, indexes, touch=False) -> bytes:
     """``indexes``: models (anything else is refused as the compiled call refuses it)."""
     indexes = list(indexes)
     if len(indexes) > 8:
         raise ValueError("at most 8 indexes")
     if not all(isinstance(m, IndexModel) for m in indexes):
         raise TypeError("indexes are BlockIndex objects")
+    if touch and not indexes:
+        raise ValueError("touch needs an index")
     out = bytearray()
     for block_id in list(ids):
         key = parse(block_id)
@@ -330,4 +332,6 @@ def held_by(ids, indexes) -> bytes:
         if not mask:
             break
         out.append(mask)
+    if touch:
+        indexes[0].touch(list(ids)[: len(out)])
     return bytes(out)

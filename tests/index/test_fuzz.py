@@ -256,15 +256,15 @@ class IndexMachine(RuleBasedStateMachine):
         index, model = self.pair(data)
         self.both(index, model, call, self.ids(data, model, want="any"))
 
-    @rule(data=st.data(), shape=st.sampled_from(["both", "disk", "none", "other", "empty"]))
-    def held_by(self, data, shape):
+    @rule(data=st.data(), shape=st.sampled_from(["both", "disk", "none", "other", "empty"]), touch=st.booleans())
+    def held_by(self, data, shape, touch):
         (host, host_model), (disk, disk_model) = self.pairs
         ids = self.ids(data, host_model, want="registered")
         indexes, models = {"both": ([host, disk], [host_model, disk_model]), "disk": ([disk], [disk_model]),
                            "none": ([host, None], [host_model, None]), "other": ([host, "x"], [host_model, "x"]),
                            "empty": ([], [])}[shape]
-        want, got = outcome(model_held_by, ids, models), outcome(held_by, ids, indexes)
-        assert got == want, f"held_by({ids!r}, {shape}): index {got!r}, model {want!r}"
+        want, got = outcome(model_held_by, ids, models, touch), outcome(held_by, ids, indexes, touch)
+        assert got == want, f"held_by({ids!r}, {shape}, touch={touch}): index {got!r}, model {want!r}"
 
     # -- after every step ------------------------------------------------------------------------------
     @invariant()

@@ -356,3 +356,27 @@ def test_the_cache_wrappers_reach_the_linker_through_its_methods_only():
     assert cache.take_events() == ["tree", "tier"]
     assert calls == [("begin", "k", None), ("insert",), ("end",), ("defers", "r"), ("load", "r"), ("staged", "r"),
                      ("load", None), ("defers", "waiting"), ("join", ["tree"])]
+
+
+def test_an_idle_scheduler_waits_for_deferred_reads_instead_of_sleeping_and_other_linkers_pass_through():
+    """``hooks``: around ``Scheduler.maybe_sleep_on_idle``, a KvbmLinker whose deferred requests wait for reads
+    (SGLang 0.5.21) takes the idle turn; any other linker, or none, leaves SGLang's idle sleep as it is."""
+    from types import SimpleNamespace
+
+    from sglang_kvbm.integration.sglang.hooks import _around_idle_sleep
+
+    slept = []
+
+    def sleep(scheduler):
+        slept.append(scheduler)
+
+    def scheduler(linker):
+        return SimpleNamespace(tree_cache=SimpleNamespace(linker=SimpleNamespace(cache_linker=linker)))
+
+    waited = scheduler(SimpleNamespace(wait_while_idle=lambda: True))
+    idle = scheduler(SimpleNamespace(wait_while_idle=lambda: False))
+    other = scheduler(SimpleNamespace())
+    bare = SimpleNamespace(tree_cache=None)
+    for s in (waited, idle, other, bare):
+        _around_idle_sleep(sleep, s)
+    assert slept == [idle, other, bare]

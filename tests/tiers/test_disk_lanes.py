@@ -198,10 +198,12 @@ def test_a_lookup_with_reads_in_flight_reports_them_pins_nothing_and_waits_for_n
     assert _lookup(stack, pins, "a", keys) == 2  # what the reads will serve (the disk is held: they cannot have)
     assert pins.deferred("a") and len(pins) == 0 and pins.deferrals == 1
     assert _lookup(stack, pins, "a", keys) == 2 and pins.deferred("a")  # the next round: still reading
+    assert pins.waiting("a", keys) == 2 and pins.waiting("a", keys[:1]) == 0  # the same tail needs no lookup
     assert stack.manager.reads.load_waits == 0  # nothing waited on this thread
     reader.open()
     busy.result(timeout=10)
     wait(stack.manager.staging.in_flight(), timeout=10)
+    assert pins.waiting("a", keys) == 0  # landed: looked up again
     assert _lookup(stack, pins, "a", keys) == 2 and not pins.deferred("a") and len(pins) == 1
     plan = pins.take("a", keys)  # verified reads, pinned in staging (SGLang 0.5.21's tree loads them: test_lookup_pins)
     assert plan.staged_blocks == 2 and plan.staged_from == ["disk", "disk"]
@@ -225,3 +227,20 @@ def test_a_request_waits_for_its_reads_once_and_no_longer_than_a_load_would(stac
     reader.open()
     busy.result(timeout=10)
     stack.settle()
+
+
+def test_an_idle_scheduler_waits_for_the_first_read_a_deferred_request_waits_for(stack_factory, tmp_path):
+    tokens = list(range(500, 500 + 2 * PAGE))
+    stack, keys, pins, reader, busy, clock, _ = _deferring(stack_factory, tmp_path, tokens)
+    assert not pins.wait_idle()  # nobody waits: SGLang idles as it would
+    assert _lookup(stack, pins, "a", keys) == 2 and pins.deferred("a")
+    clock[0] -= 60  # its wait has a minute left
+    opened = threading.Timer(0.3, reader.open)
+    opened.start()
+    assert pins.wait_idle()  # returns once a read landed, not after the minute
+    assert 0.2 < pins.idle_wait_seconds < 30
+    busy.result(timeout=10)
+    wait(stack.manager.staging.in_flight(), timeout=10)
+    assert _lookup(stack, pins, "a", keys) == 2 and not pins.deferred("a") and len(pins) == 1
+    assert not pins.wait_idle()
+    pins.release_all()

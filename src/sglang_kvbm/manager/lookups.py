@@ -101,10 +101,11 @@ class TierReads:
         self.load_waits = self.load_waits_expired = self.remote_waits_expired = 0
         self.wait_seconds = 0.0  # the scheduler thread's time waiting for reads (lookups' remote reads, loads')
 
-    def _held(self, block_ids: Sequence[BlockId], *, staged: bool) -> tuple[int, bytes]:
+    def _held(self, block_ids: Sequence[BlockId], *, staged: bool, touch: bool = False) -> tuple[int, bytes]:
         """``(leading blocks servable, 1/0 per one of them: in host)``; servable: in host, an indexed tier or (with
-        ``staged``) read into staging already (servable, but not a tier, so not announced). One call: C++."""
-        mask = held_by(block_ids, self._with_staging if staged else self._chain)
+        ``staged``) read into staging already (servable, but not a tier, so not announced). One call: C++;
+        ``touch``: host's blocks of that run are made most recently used in it."""
+        mask = held_by(block_ids, self._with_staging if staged else self._chain, touch and self._host is not None)
         return len(mask), (mask.translate(_HOST) if self._host is not None else bytes(len(mask)))
 
     def peek(self, block_ids: Sequence[BlockId]) -> tuple[int, int]:
@@ -125,7 +126,9 @@ class TierReads:
         """``(leading blocks servable now, how many of them each tier serves)``; starts reading those below host."""
         if not block_ids:
             return 0, {}
-        hit, host = self._held(block_ids, staged=True)  # the lookups stop at the first block held nowhere
+        # The lookups stop at the first block held nowhere; host's blocks of the run found are touched (those of a
+        # run cut short below, by the staging room or the onboard policy, too: a prefix a request asked for).
+        hit, host = self._held(block_ids, staged=True, touch=True)
         host_run = _run(host)
         below = hit - host.count(1)
         if below:
@@ -156,8 +159,6 @@ class TierReads:
             if run:
                 found[tier.name] = found.get(tier.name, 0) + run
                 hit += run
-        if self._host is not None:
-            self._host.touch(block_ids[:hit])
         return hit, found
 
     def _fetch(self, tier, block_ids: Sequence[BlockId], hit: int) -> int:
@@ -236,7 +237,7 @@ class TierReads:
         reading = list(compress(block_ids[:claim], map(staging.reading, block_ids[:claim]))) if staging.busy() else []
         if not reading:
             return claim, [], 0.0
-        reads = staging.futures_of(reading)
+        reads = staging.futures_of(reading, promote=True)  # a request waits for them
         return claim, reads, self._wait_budget(staging.pending_bytes(reading), staging.pending_tiers(reading))
 
     def _wait_budget(self, pending: int, tiers) -> float:

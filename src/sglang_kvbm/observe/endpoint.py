@@ -35,7 +35,8 @@ def stats_of(linker) -> dict:
         "chain": [HOST.name, *manager.tiers],
     }
     if linker.pins is not None:  # SGLang 0.5.21: requests kept waiting for their reads below host
-        extra["lookup_waits"] = {"deferred": linker.pins.deferrals, "expired": linker.pins.waits_expired}
+        extra["lookup_waits"] = {"deferred": linker.pins.deferrals, "expired": linker.pins.waits_expired,
+                                 "idle_wait_seconds": linker.pins.idle_wait_seconds}
     if sidecars:  # hybrid models: each sidecar pool's tiers (sliding-window pages, Mamba states), by pool
         extra["sidecars"] = {name: {"tiers": {c.tier: (c.blocks, c.capacity) for c in m.counts()},
                                     "block_bytes": m.layout.block_bytes, "local": m.stats}

@@ -122,9 +122,14 @@ class ReadStaging:
         """Some read is in flight (or done and not collected yet)."""
         return bool(self._pending)
 
-    def futures_of(self, block_ids: Sequence[BlockId]) -> list[Future]:
-        """The futures of the reads in flight for these blocks, each once."""
-        return list({id(job): job.read.future for job in map(self._jobs.get, block_ids) if job is not None}.values())
+    def futures_of(self, block_ids: Sequence[BlockId], *, promote: bool = False) -> list[Future]:
+        """The futures of the reads in flight for these blocks, each once (``promote``: someone waits for them now:
+        moved ahead of other prefetches, as ``wait`` does)."""
+        jobs = {id(job): job for job in map(self._jobs.get, block_ids) if job is not None}.values()
+        if promote:
+            for job in jobs:
+                job.tier.promote([job.read.future])
+        return [job.read.future for job in jobs]
 
     def pending_tiers(self, block_ids: Sequence[BlockId]) -> list[LowerTier]:
         """The tiers these blocks are being read from."""

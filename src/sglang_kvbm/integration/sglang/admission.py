@@ -34,9 +34,11 @@ class Admissions:
     def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
         """The prefix lengths (pages) of the tail every rank and stage can restore (pinned first on 0.5.21)."""
         keys = kv_transfer(transfers).keys or []
-        hit = self._connector.lookup(rid, keys)
-        if self._pins is not None:
-            hit = self._pins.pin(rid, keys, hit)
+        hit = self._pins.waiting(rid, keys) if self._pins is not None else 0  # 0.5.21: still waiting for its reads
+        if not hit:
+            hit = self._connector.lookup(rid, keys)
+            if self._pins is not None:
+                hit = self._pins.pin(rid, keys, hit)
         stages, across = self._setup.stages, self._setup.ranks_agreeing > 1
         if self._sidecars:  # hybrid: only boundaries whose window pages / state the sidecar tiers hold too
             lengths = self._sidecars.restorable(keys, hit, every=across or stages.many) if hit else []

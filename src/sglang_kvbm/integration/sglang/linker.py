@@ -311,6 +311,12 @@ class KvbmLinker(UnifiedCacheLinker):
         self.pins.release(rid)  # this rank may have pinned: the next lookup pins again
         return True
 
+    def wait_while_idle(self) -> bool:
+        """Scheduler thread, SGLang 0.5.21, when it has no batch to run (``hooks``: in place of its idle sleep): wait
+        for the first read some deferred request waits for, at most until that request's wait runs out. False:
+        none waits (SGLang idles as it would)."""
+        return self.pins is not None and self.pins.wait_idle()
+
     def staged_blocks(self, rid: str) -> int:
         """Scheduler thread, after ``load``: blocks of ``rid``'s queued load read from below host (0: none, or no load
         queued), which SGLang reports as storage hits. Never blocks."""

@@ -32,6 +32,7 @@ import collections
 import dataclasses
 import logging
 import time
+from concurrent import futures
 from typing import Callable, Optional, Sequence
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,9 @@ class _Wait:
     deadline: float
     budget: float
     reads: list
+    claim: int = 0  # pages reported while it waits
+    first: object = None  # its lookup's first key and length: the same tail looked up again
+    pages: int = 0
 
 
 class LookupPins:
@@ -61,6 +65,7 @@ class LookupPins:
         self._deferred: set[str] = set()  # looked up this round with reads in flight: kept waiting
         self._waits: collections.OrderedDict[str, _Wait] = collections.OrderedDict()
         self.deferrals = self.waits_expired = 0
+        self.idle_wait_seconds = 0.0  # an idle scheduler's time waiting for those reads (``wait_idle``)
 
     def __len__(self) -> int:
         return len(self._pins)
@@ -89,7 +94,7 @@ class LookupPins:
             return claim, False
         wait = self._waits.get(rid)
         if wait is None:
-            wait = self._waits[rid] = _Wait(self._clock() + budget, budget, reads)
+            wait = self._waits[rid] = _Wait(self._clock() + budget, budget, reads, claim, keys[0], len(keys))
             while len(self._waits) > MAX_WAITS:
                 self._waits.popitem(last=False)
         elif all(read.done() for read in wait.reads):
@@ -104,6 +109,37 @@ class LookupPins:
         self._deferred.add(rid)
         self.deferrals += 1
         return claim, True
+
+    def waiting(self, rid: str, keys: Sequence) -> int:
+        """The pages to report for ``rid``, looked up again (the scheduler's next round: an idle one loops without
+        pause) while the reads it waits for are still in flight: its lookup need not run again; 0 when it does not
+        wait. Hands the GIL to the threads reading them once (``time.sleep(0)``, no wait when none asks for it)."""
+        wait = self._waits.get(rid)
+        if (wait is None or not wait.reads or not keys or len(keys) != wait.pages or keys[0] != wait.first
+                or self._clock() >= wait.deadline or all(read.done() for read in wait.reads)):
+            return 0
+        self.release(rid)
+        self._deferred.add(rid)
+        self.deferrals += 1
+        time.sleep(0)
+        return wait.claim
+
+    def wait_idle(self) -> bool:
+        """The scheduler has nothing to run: wait for the first read a deferred request waits for, until the
+        earliest such request's wait runs out. False: none waits."""
+        reads, deadline = [], None
+        for rid in self._deferred:
+            wait = self._waits.get(rid)
+            if wait is not None and wait.reads:
+                reads.extend(read for read in wait.reads if not read.done())
+                deadline = wait.deadline if deadline is None else min(deadline, wait.deadline)
+        if deadline is None:
+            return False
+        started = time.perf_counter()
+        if reads:
+            futures.wait(reads, timeout=max(0.0, deadline - self._clock()), return_when=futures.FIRST_COMPLETED)
+        self.idle_wait_seconds += time.perf_counter() - started
+        return True
 
     def deferred(self, rid: str) -> bool:
         """``rid``'s lookup this round reported reads in flight, pinning nothing: its load must wait."""
