@@ -358,25 +358,19 @@ def test_the_cache_wrappers_reach_the_linker_through_its_methods_only():
                      ("load", None), ("defers", "waiting"), ("join", ["tree"])]
 
 
-def test_an_idle_scheduler_waits_for_deferred_reads_instead_of_sleeping_and_other_linkers_pass_through():
-    """``hooks``: around ``Scheduler.maybe_sleep_on_idle``, a KvbmLinker whose deferred requests wait for reads
-    (SGLang 0.5.21) takes the idle turn; any other linker, or none, leaves SGLang's idle sleep as it is."""
+def test_a_scheduler_with_no_batch_waits_for_deferred_reads_and_other_linkers_pass_through():
+    """``hooks``: before ``Scheduler.on_idle``, a KvbmLinker whose deferred requests wait for reads (SGLang 0.5.21)
+    waits for the first of them; any other linker, or none, is not asked; SGLang's own idle work always runs."""
     from types import SimpleNamespace
 
-    from sglang_kvbm.integration.sglang.hooks import _around_idle_sleep
+    from sglang_kvbm.integration.sglang.hooks import _before_idle
 
-    slept = []
-
-    def sleep(scheduler):
-        slept.append(scheduler)
+    asked = []
 
     def scheduler(linker):
         return SimpleNamespace(tree_cache=SimpleNamespace(linker=SimpleNamespace(cache_linker=linker)))
 
-    waited = scheduler(SimpleNamespace(wait_while_idle=lambda: True))
-    idle = scheduler(SimpleNamespace(wait_while_idle=lambda: False))
-    other = scheduler(SimpleNamespace())
-    bare = SimpleNamespace(tree_cache=None)
-    for s in (waited, idle, other, bare):
-        _around_idle_sleep(sleep, s)
-    assert slept == [idle, other, bare]
+    kvbm = scheduler(SimpleNamespace(wait_while_idle=lambda: asked.append("kvbm") or True))
+    for s in (kvbm, scheduler(SimpleNamespace()), SimpleNamespace(tree_cache=None)):
+        assert _before_idle(s) is None  # the arguments unchanged: SGLang's on_idle runs as it is
+    assert asked == ["kvbm"]

@@ -17,11 +17,11 @@ only (any other linker passes through untouched):
 * ``TpModelWorker.register_hicache_layer_transfer_counter`` ->
   ``counter.attach_kvbm_worker(worker)``: the disk onboarding policy times prefill
   on *that* worker instance;
-* ``Scheduler.maybe_sleep_on_idle`` (around) -> ``linker.wait_while_idle()``:
-  an idle scheduler whose waiting requests wait for reads below host (SGLang
-  0.5.21, ``lookup_pins``) waits for the first of those reads instead of
-  spinning (or sleeping on its sockets for up to a second with
-  ``--sleep-on-idle``), then looks them up again at once;
+* ``Scheduler.on_idle`` (before) -> ``linker.wait_while_idle()``: a
+  scheduler with no batch to run whose waiting requests wait for reads below
+  host (SGLang 0.5.21, ``lookup_pins``) waits for the first of those reads
+  instead of spinning through rounds (SGLang's ``on_idle`` returns at once
+  while requests wait), then looks them up again;
 * ``SchedulerWeightUpdaterManager``'s ``update_weights_from_*``,
   ``end_weight_update`` (AFTER) and ``release_memory_occupation`` (BEFORE) ->
   ``weight_updates``: weights replaced in memory drop the tiers and move the
@@ -40,7 +40,7 @@ _installed = False
 
 _CACHE_TARGET = "sglang.srt.mem_cache.unified_cache.unified_cache_linker.UnifiedCacheLinkerWrapper.__init__"
 _WORKER_TARGET = "sglang.srt.managers.tp_worker.TpModelWorker.register_hicache_layer_transfer_counter"
-_IDLE_TARGET = "sglang.srt.managers.scheduler.Scheduler.maybe_sleep_on_idle"
+_IDLE_TARGET = "sglang.srt.managers.scheduler.Scheduler.on_idle"
 
 
 def _after_wrapper_init(result, wrapper, cache, cache_linker, *args, **kwargs):
@@ -57,12 +57,12 @@ def _after_register_counter(result, worker, counter, *args, **kwargs):
     return result
 
 
-def _around_idle_sleep(original, scheduler, *args, **kwargs):
+def _before_idle(scheduler, *args, **kwargs):
     wrapper = getattr(getattr(scheduler, "tree_cache", None), "linker", None)
     wait_while_idle = getattr(getattr(wrapper, "cache_linker", None), "wait_while_idle", None)
-    if wait_while_idle is not None and wait_while_idle():
-        return None  # the reads some waiting request waits for landed (or its wait ran out): admit it now
-    return original(scheduler, *args, **kwargs)
+    if wait_while_idle is not None:
+        wait_while_idle()  # until a read some waiting request waits for lands (or its wait runs out)
+    return None
 
 
 def install() -> None:
@@ -74,7 +74,7 @@ def install() -> None:
     source = HookSource("kvbm", "sglang-kvbm")
     HookRegistry.register(_CACHE_TARGET, _after_wrapper_init, HookType.AFTER, source=source)
     HookRegistry.register(_WORKER_TARGET, _after_register_counter, HookType.AFTER, source=source)
-    HookRegistry.register(_IDLE_TARGET, _around_idle_sleep, HookType.AROUND, source=source)
+    HookRegistry.register(_IDLE_TARGET, _before_idle, HookType.BEFORE, source=source)
     from sglang_kvbm.integration.sglang import weight_updates
 
     kinds = {"before": HookType.BEFORE, "after": HookType.AFTER}

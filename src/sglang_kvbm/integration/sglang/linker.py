@@ -308,13 +308,14 @@ class KvbmLinker(UnifiedCacheLinker):
             return False
         if self.setup.all_agree(not self.pins.deferred(rid), self.cache):
             return False
-        self.pins.release(rid)  # this rank may have pinned: the next lookup pins again
+        self.pins.unpin(rid)  # this rank may have pinned (another rank waits): the next lookup pins again
+        self.pins.mark_deferred(rid)
         return True
 
     def wait_while_idle(self) -> bool:
-        """Scheduler thread, SGLang 0.5.21, when it has no batch to run (``hooks``: in place of its idle sleep): wait
-        for the first read some deferred request waits for, at most until that request's wait runs out. False:
-        none waits (SGLang idles as it would)."""
+        """Scheduler thread, SGLang 0.5.21, when it has no batch to run (``hooks``: before its ``on_idle``): wait
+        for the first read some deferred request waits for, at most until that request's wait runs out, instead of
+        spinning through rounds. False: none waits."""
         return self.pins is not None and self.pins.wait_idle()
 
     def staged_blocks(self, rid: str) -> int:

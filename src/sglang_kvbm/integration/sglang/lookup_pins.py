@@ -118,7 +118,7 @@ class LookupPins:
         if (wait is None or not wait.reads or not keys or len(keys) != wait.pages or keys[0] != wait.first
                 or self._clock() >= wait.deadline or all(read.done() for read in wait.reads)):
             return 0
-        self.release(rid)
+        self.unpin(rid)
         self._deferred.add(rid)
         self.deferrals += 1
         time.sleep(0)
@@ -140,6 +140,10 @@ class LookupPins:
             futures.wait(reads, timeout=max(0.0, deadline - self._clock()), return_when=futures.FIRST_COMPLETED)
         self.idle_wait_seconds += time.perf_counter() - started
         return True
+
+    def mark_deferred(self, rid: str) -> None:
+        """``rid`` is kept waiting (some rank's reads are in flight): an idle scheduler waits for them."""
+        self._deferred.add(rid)
 
     def deferred(self, rid: str) -> bool:
         """``rid``'s lookup this round reported reads in flight, pinning nothing: its load must wait."""
@@ -166,6 +170,10 @@ class LookupPins:
 
     def release(self, rid: str) -> bool:
         self._deferred.discard(rid)
+        return self.unpin(rid)
+
+    def unpin(self, rid: str) -> bool:
+        """Let ``rid``'s pins go (a request some other rank keeps waiting: it stays deferred here too)."""
         pinned = self._pins.pop(rid, None)
         if pinned is not None:
             self._connector.cancel(pinned[1])
