@@ -232,8 +232,10 @@ class TierReads:
             return hit, [], 0.0
         staging.collect()
         claim = hit
-        while claim < len(block_ids) and (staging.reading(block_ids[claim]) or staging.staged(block_ids[claim])):
-            claim += 1
+        while self._remote and claim < len(block_ids) and (staging.reading(block_ids[claim])
+                                                           or staging.staged(block_ids[claim])):
+            claim += 1  # a remote tier's run (the lookup counts what it has staged so far; the onboard policy's cut
+            # of an indexed tier's run is left as it is)
         reading = list(compress(block_ids[:claim], map(staging.reading, block_ids[:claim]))) if staging.busy() else []
         if not reading:
             return claim, [], 0.0
