@@ -35,28 +35,11 @@ nb::object BlockIndex::slot(nb::handle id) const {
     return s >= 0 ? nb::object(nb::int_(s)) : nb::object(nb::none());
 }
 
-// Each id's slot (``registered``: -1 where not registered; else -1 where neither registered nor being
-// written), a group at a time; ``f(i, slot)`` false stops the walk (the ids after it are not read: a
-// malformed one is not reported). A malformed id reached raises.
-template <class F>
-void BlockIndex::each_slot(const Items &it, bool registered, F &&f) const {
-    IdGroup g;
-    int32_t found[IdGroup::N];
-    for (Py_ssize_t i = 0; i < it.n; i += IdGroup::N) {
-        g.read(it.items, it.n, i);
-        find_group(g.key, g.ok, g.n, registered, found);
-        for (Py_ssize_t j = 0; j < g.n; ++j) {
-            if (!g.ok[j]) bad_id(it.items[i + j]);
-            if (!f(i + j, found[j])) return;
-        }
-    }
-}
-
 nb::list BlockIndex::slots(nb::handle ids) const {
     Items it(ids);
     Slots found;
     found.reserve(size_t(it.n));
-    each_slot(it, true, [&](Py_ssize_t, int32_t s) { found.push_back(s); return true; });
+    each_slot(it, true, [&](Py_ssize_t, int32_t s, const Key &) { found.push_back(s); return true; });
     nb::list out;  // built after every id was read: building runs no Python code, but reading may raise
     for (int32_t s : found) out.append(s >= 0 ? nb::object(nb::int_(s)) : nb::object(nb::none()));
     return out;
@@ -65,14 +48,14 @@ nb::list BlockIndex::slots(nb::handle ids) const {
 Py_ssize_t BlockIndex::run(nb::handle ids) const {
     Items it(ids);
     Py_ssize_t held = it.n;
-    each_slot(it, true, [&](Py_ssize_t i, int32_t s) { return s >= 0 || (held = i, false); });
+    each_slot(it, true, [&](Py_ssize_t i, int32_t s, const Key &) { return s >= 0 || (held = i, false); });
     return held;
 }
 
 nb::list BlockIndex::missing(nb::handle ids) const {
     Items it(ids);
     Slots out;
-    each_slot(it, false, [&](Py_ssize_t i, int32_t s) {
+    each_slot(it, false, [&](Py_ssize_t i, int32_t s, const Key &) {
         if (s < 0) out.push_back(int32_t(i));
         return true;
     });
@@ -82,7 +65,7 @@ nb::list BlockIndex::missing(nb::handle ids) const {
 nb::bytes BlockIndex::flags(nb::handle ids) const {
     Items it(ids);
     std::string out(size_t(it.n), '\0');
-    each_slot(it, true, [&](Py_ssize_t i, int32_t s) { return out[size_t(i)] = char(s >= 0), true; });
+    each_slot(it, true, [&](Py_ssize_t i, int32_t s, const Key &) { return out[size_t(i)] = char(s >= 0), true; });
     return nb::bytes(out.data(), out.size());
 }
 
@@ -109,19 +92,13 @@ nb::tuple BlockIndex::reserve_missing(nb::handle ids) {
     Items it(ids);
     Slots todo;
     Keys keys;
-    IdGroup g;
-    int32_t found[IdGroup::N];
-    for (Py_ssize_t i = 0; i < it.n; i += IdGroup::N) {
-        g.read(it.items, it.n, i);
-        find_group(g.key, g.ok, g.n, false, found);
-        for (Py_ssize_t j = 0; j < g.n; ++j) {
-            if (!g.ok[j]) bad_id(it.items[i + j]);
-            if (found[j] < 0) {
-                todo.push_back(int32_t(i + j));
-                keys.push_back(g.key[j]);
-            }
+    each_slot(it, false, [&](Py_ssize_t i, int32_t s, const Key &k) {
+        if (s < 0) {
+            todo.push_back(int32_t(i));
+            keys.push_back(k);
         }
-    }
+        return true;
+    });
     ids_once(keys, "reserve_missing");
     nb::list evicted;
     Slots got;
@@ -340,7 +317,7 @@ nb::object BlockIndex::payload(int32_t s) const {
 nb::list BlockIndex::payloads(nb::handle ids) const {
     Items it(ids);
     Slots found;
-    each_slot(it, true, [&](Py_ssize_t, int32_t s) {
+    each_slot(it, true, [&](Py_ssize_t, int32_t s, const Key &) {
         if (s >= 0) found.push_back(s);
         return true;
     });

@@ -133,8 +133,22 @@ class BlockIndex {
     void check(int32_t s) const;
 
     Py_ssize_t registered_slots(nb::handle ids, Slots &out) const;
+    // Each id's slot (``registered``: -1 where not registered; else -1 where neither registered nor being
+    // written), a group at a time; ``f(i, slot, key)`` false stops the walk (the ids after it are not read: a
+    // malformed one is not reported). A malformed id reached raises.
     template <class F>
-    void each_slot(const Items &it, bool registered, F &&f) const;
+    void each_slot(const Items &it, bool registered, F &&f) const {
+        IdGroup g;
+        int32_t found[IdGroup::N];
+        for (Py_ssize_t i = 0; i < it.n; i += IdGroup::N) {
+            g.read(it.items, it.n, i);
+            find_group(g.key, g.ok, g.n, registered, found);
+            for (Py_ssize_t j = 0; j < g.n; ++j) {
+                if (!g.ok[j]) bad_id(it.items[i + j]);
+                if (!f(i + j, found[j], g.key[j])) return;
+            }
+        }
+    }
 
     // Batch checks: raise before anything changes.
     void distinct_slots(nb::handle seq, Slots &slots, const char *call);  // slots_of + slots_once

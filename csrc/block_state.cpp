@@ -35,16 +35,13 @@ Py_ssize_t BlockIndex::registered_slots(nb::handle ids, Slots &out) const {
     Items it(ids);
     out.resize(size_t(it.n));
     int32_t *slot = out.data();
-    IdGroup g;
-    for (Py_ssize_t i = 0; i < it.n; i += IdGroup::N) {
-        g.read(it.items, it.n, i);
-        for (Py_ssize_t j = 0; j < g.n; ++j)
-            if (!g.ok[j]) bad_id(it.items[i + j]);
-        find_group(g.key, g.ok, g.n, true, slot + i);
-    }
-    for (Py_ssize_t i = 0; i < it.n; ++i)
-        if (slot[i] < 0) return i;
-    return -1;
+    Py_ssize_t first_missing = -1;
+    each_slot(it, true, [&](Py_ssize_t i, int32_t s, const Key &) {
+        slot[i] = s;
+        if (s < 0 && first_missing < 0) first_missing = i;
+        return true;
+    });
+    return first_missing;
 }
 
 void BlockIndex::find_group(const Key *keys, const bool *ok, Py_ssize_t n, bool registered, int32_t *out) const {

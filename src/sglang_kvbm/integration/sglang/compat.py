@@ -15,7 +15,10 @@ refusable loads         no (``load`` False      yes                     yes
                         raises; the tail joins
                         the tree before the
                         copy; completions by
-                        ``pop_completed_load``)
+                        ``pop_completed_load``;
+                        ``init_load_back``
+                        None keeps a request
+                        waiting: ``lookup_pins``)
 Mamba components        no                      no                      yes
 draft KV pools          no                      no                      yes
 SWA retain window       = the sliding window    = the sliding window    its own property
