@@ -200,6 +200,15 @@ void BlockIndex::touch(nb::handle ids) {
     touch_slots(found);
 }
 
+void BlockIndex::remember(PyObject *const *items, const Key *keys, const int32_t *slots, Py_ssize_t n) {
+    recent_ids_.clear();  // the objects let go are str or bytes: no Python code runs
+    recent_keys_.assign(keys, keys + n);
+    recent_slots_.assign(slots, slots + n);
+    recent_ids_.reserve(size_t(n));
+    for (Py_ssize_t i = 0; i < n && (PyUnicode_CheckExact(items[i]) || PyBytes_CheckExact(items[i])); ++i)
+        recent_ids_.push_back(nb::borrow(items[i]));
+}
+
 void BlockIndex::touch_slots(const Slots &found) {
     for (size_t i = found.size(); i-- > 0;)
         if (found[i] >= 0) {
@@ -317,10 +326,15 @@ nb::object BlockIndex::payload(int32_t s) const {
 nb::list BlockIndex::payloads(nb::handle ids) const {
     Items it(ids);
     Slots found;
-    each_slot(it, true, [&](Py_ssize_t, int32_t s, const Key &) {
-        if (s >= 0) found.push_back(s);
-        return true;
-    });
+    found.resize(size_t(it.n));
+    found.resize(size_t(recall(it, found.data())));
+    each_slot(
+        it, true,
+        [&](Py_ssize_t, int32_t s, const Key &) {
+            if (s >= 0) found.push_back(s);
+            return true;
+        },
+        Py_ssize_t(found.size()));
     nb::list out;
     for (int32_t s : found) out.append(payload(s));
     return out;

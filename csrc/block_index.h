@@ -72,6 +72,11 @@ class BlockIndex {
     // -- reads of registered blocks ---------------------------------------------------------
     void touch(nb::handle ids);
     void touch_slots(const Slots &found);  // ``touch`` of the slots found (-1: skipped), the first most recent
+    // The run a lookup (``held_by(..., touch=True)``) just found here: its id objects (owned; str and bytes
+    // only, whose release runs no Python code), their keys and slots (-1: not here). A later call handed the
+    // same objects at the same positions (the load's ``pin`` of the prefix its lookup found, its ``metas_of``)
+    // takes each one's slot from it without a probe while that slot still registers that key (``recall``).
+    void remember(PyObject *const *items, const Key *keys, const int32_t *slots, Py_ssize_t n);
     nb::list pin(nb::handle ids);
     void unpin(nb::handle ids);
     void unpin_slots(nb::handle slot_seq);
@@ -121,6 +126,9 @@ class BlockIndex {
     KeyTable table_;  // key -> slot, for blocks registered or being written
     LruLinks lru_;    // registered slots
     size_t registered_ = 0, inflight_ = 0, pinned_ = 0, orphans_ = 0;
+    std::vector<nb::object> recent_ids_;  // ``remember``
+    std::vector<Key> recent_keys_;
+    std::vector<int32_t> recent_slots_;
 
     int32_t find(const Key &k) const { return table_.find(k, keys_); }
     void map(int32_t s, const Key &k);
@@ -133,14 +141,27 @@ class BlockIndex {
     void check(int32_t s) const;
 
     Py_ssize_t registered_slots(nb::handle ids, Slots &out) const;
+    // How many leading ids are the remembered run's objects whose slots still register their keys (their
+    // slots into ``out``).
+    Py_ssize_t recall(const Items &it, int32_t *out) const {
+        Py_ssize_t n = std::min(it.n, Py_ssize_t(recent_ids_.size())), i = 0;
+        for (; i < n && it.items[i] == recent_ids_[size_t(i)].ptr(); ++i) {
+            int32_t s = recent_slots_[size_t(i)];
+            if (s < 0 || !mapped_[size_t(s)] || state_[size_t(s)] != REGISTERED ||
+                !(keys_[size_t(s)] == recent_keys_[size_t(i)]))
+                break;
+            out[i] = s;
+        }
+        return i;
+    }
     // Each id's slot (``registered``: -1 where not registered; else -1 where neither registered nor being
-    // written), a group at a time; ``f(i, slot, key)`` false stops the walk (the ids after it are not read: a
-    // malformed one is not reported). A malformed id reached raises.
+    // written), a group at a time, from id ``from`` on; ``f(i, slot, key)`` false stops the walk (the ids
+    // after it are not read: a malformed one is not reported). A malformed id reached raises.
     template <class F>
-    void each_slot(const Items &it, bool registered, F &&f) const {
+    void each_slot(const Items &it, bool registered, F &&f, Py_ssize_t from = 0) const {
         IdGroup g;
         int32_t found[IdGroup::N];
-        for (Py_ssize_t i = 0; i < it.n; i += IdGroup::N) {
+        for (Py_ssize_t i = from; i < it.n; i += IdGroup::N) {
             g.read(it.items, it.n, i);
             find_group(g.key, g.ok, g.n, registered, found);
             for (Py_ssize_t j = 0; j < g.n; ++j) {

@@ -36,11 +36,14 @@ Py_ssize_t BlockIndex::registered_slots(nb::handle ids, Slots &out) const {
     out.resize(size_t(it.n));
     int32_t *slot = out.data();
     Py_ssize_t first_missing = -1;
-    each_slot(it, true, [&](Py_ssize_t i, int32_t s, const Key &) {
-        slot[i] = s;
-        if (s < 0 && first_missing < 0) first_missing = i;
-        return true;
-    });
+    each_slot(
+        it, true,
+        [&](Py_ssize_t i, int32_t s, const Key &) {
+            slot[i] = s;
+            if (s < 0 && first_missing < 0) first_missing = i;
+            return true;
+        },
+        recall(it, slot));
     return first_missing;
 }
 

@@ -18,7 +18,8 @@ namespace {
 // Per id of the leading run held by any of ``indexes``: a byte whose bit i says indexes[i] registers it.
 // The run ends at the first id none of them holds (the chain's lookups stop there; the rest is not read).
 // ``touch``: then the blocks of that run indexes[0] registers are made most recently used, as
-// ``indexes[0].touch(ids[:len(run)])`` would, from the slots found (no id read twice).
+// ``indexes[0].touch(ids[:len(run)])`` would, from the slots found (no id read twice), and indexes[0]
+// remembers the run (``BlockIndex::remember``): the load that pins it follows.
 nb::bytes held_by(nb::handle ids, nb::handle index_seq, bool touch) {
     kvbm::Items given(index_seq);
     if (given.n > 8) throw nb::value_error("held_by: at most 8 indexes");
@@ -39,6 +40,7 @@ nb::bytes held_by(nb::handle ids, nb::handle index_seq, bool touch) {
     std::string out;
     out.reserve(size_t(it.n));
     kvbm::Slots first;  // indexes[0]'s slot per id of the run (-1: not there), for ``touch``
+    std::vector<kvbm::Key> keys;  // of the run, for ``touch``'s ``remember``
     kvbm::IdGroup g;
     int32_t found[8][kvbm::IdGroup::N];
     for (Py_ssize_t i = 0; i < it.n; i += kvbm::IdGroup::N) {
@@ -52,11 +54,18 @@ nb::bytes held_by(nb::handle ids, nb::handle index_seq, bool touch) {
                 if (found[t][j] >= 0) mask |= uint8_t(1u << t);
             if (!mask) break;
             out.push_back(char(mask));
-            if (touch) first.push_back(found[0][j]);
+            if (touch) {
+                first.push_back(found[0][j]);
+                keys.push_back(g.key[j]);
+            }
         }
         if (j < g.n) break;
     }
-    if (touch) const_cast<BlockIndex *>(indexes[0])->touch_slots(first);  // held[0] keeps it alive
+    if (touch) {  // held[0] keeps it alive
+        auto *first_index = const_cast<BlockIndex *>(indexes[0]);
+        first_index->touch_slots(first);
+        first_index->remember(it.items, keys.data(), first.data(), Py_ssize_t(first.size()));
+    }
     return nb::bytes(out.data(), out.size());
 }
 
@@ -142,6 +151,7 @@ NB_MODULE(_blocks, m) {
           nb::sig("def held_by(ids: " IDS ", indexes: collections.abc.Sequence[BlockIndex], touch: bool = False) "
                   "-> bytes"),
           "Per id of the leading run held by any index, a byte whose bit i says indexes[i] registers it; "
-          "``touch``: indexes[0]'s blocks of that run are made most recently used, the first most.");
+          "``touch``: indexes[0]'s blocks of that run are made most recently used, the first most, and "
+          "indexes[0] remembers the run: a call given the same id objects next (a load's ``pin``) skips their probes.");
     kvbm::bind_pages(m);
 }

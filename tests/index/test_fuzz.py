@@ -111,6 +111,7 @@ class IndexMachine(RuleBasedStateMachine):
                       (BlockIndex(capacity, False), IndexModel(capacity, False))]
         self.live: dict[int, Payload] = {}  # every payload handed to an index and not yet seen to leave
         self.count = 0
+        self.looked_up = None  # (index and model, ids) of the last ``held_by(..., touch=True)``
 
     # -- drawing inputs --------------------------------------------------------------------------------
     def pair(self, data):
@@ -265,6 +266,40 @@ class IndexMachine(RuleBasedStateMachine):
                            "empty": ([], [])}[shape]
         want, got = outcome(model_held_by, ids, models, touch), outcome(held_by, ids, indexes, touch)
         assert got == want, f"held_by({ids!r}, {shape}, touch={touch}): index {got!r}, model {want!r}"
+        if touch and want[0] == "returned":  # indexes[0] remembers the run found: ``after_lookup`` hands it back
+            self.looked_up = (self.pairs[shape == "disk"], ids) if shape != "empty" else None
+
+    @precondition(lambda self: self.pairs[0][1].lru)  # host registers blocks
+    @rule(data=st.data())
+    def lookup(self, data):
+        """A request's lookup in host: ids host registers (now and then one it does not), run found and touched."""
+        (host, model), keys = self.pairs[0], [self.pairs[0][1].key[s] for s in self.pairs[0][1].lru]
+        keys = data.draw(st.lists(st.sampled_from(keys), min_size=1, max_size=len(keys), unique=True), label="hit")
+        keys += data.draw(st.lists(st.sampled_from(POOL), max_size=2), label="past the hit")
+        ids = [data.draw(id_forms(k)) for k in keys]
+        want, got = outcome(model_held_by, ids, [model], True), outcome(held_by, ids, [host], True)
+        assert got == want, f"held_by({ids!r}, [host], touch=True): index {got!r}, model {want!r}"
+        self.looked_up = ((host, model), ids)
+
+    @precondition(lambda self: self.looked_up)
+    @rule(data=st.data(), call=st.sampled_from(["pin", "unpin", "touch", "remove", "payloads"]))
+    def after_lookup(self, data, call):
+        """A load's calls on the very id objects its lookup (``held_by(..., touch=True)``) found, as the lookup
+        handed them or a prefix or with one replaced, and the index changed in between or not: a slot taken from
+        what the lookup remembered must be the one the model finds now."""
+        (index, model), ids = self.looked_up
+        since = data.draw(st.sampled_from(["nothing", "left", "reused"]), label="its blocks since") if ids else ""
+        if since in ("left", "reused"):  # some of its blocks left; their slots stay free, or new blocks take them
+            gone = data.draw(st.lists(st.sampled_from(ids), max_size=len(ids), unique=True), label="gone")
+            self.both(index, model, "remove", gone, False)
+            new = [k.hex() for k in POOL if k not in model.table][: len(gone)] if since == "reused" else []
+            rows = self.both(index, model, "reserve", new)
+            if rows:
+                self.both(index, model, "commit", rows[0], self.payloads(len(rows[0])))
+        ids = list(ids)[: data.draw(st.integers(0, len(ids)), label="prefix")]
+        if ids and data.draw(st.integers(0, 3), label="one replaced?") == 0:
+            ids[data.draw(st.integers(0, len(ids) - 1))] = data.draw(st.sampled_from(POOL_HEX))
+        self.both(index, model, call, ids)
 
     # -- after every step ------------------------------------------------------------------------------
     @invariant()

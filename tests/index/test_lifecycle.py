@@ -182,6 +182,29 @@ def test_held_by_reports_each_index_per_block_up_to_the_first_held_nowhere():
     assert held_by(IDS[4:], [host, disk]) == b""
 
 
+def test_a_load_after_its_lookup_finds_the_slots_the_blocks_are_in_now():
+    """``held_by(touch=True)`` remembers the run it found for the calls that follow on the same id objects (a
+    load's ``pin``, ``metas_of``); a slot remembered is taken only while it still registers that block."""
+    index = index_with(4, capacity=4)
+    ids = list(IDS[:4])
+    assert held_by(ids, [index], True) == bytes([1, 1, 1, 1])
+    rows = index.slots(ids)
+    assert index.pin(ids[:3]) == rows[:3] and index.payloads(ids) == ["m0", "m1", "m2", "m3"]
+    index.unpin(ids[:3])
+    assert index.remove(ids[1:2], True) == ["m1"]  # gone: its slot free
+    with pytest.raises(KeyError):
+        index.pin(ids)
+    slot, _ = index.reserve(IDS[4:5])  # the slot holds another block now
+    index.commit(slot, ["m4"])
+    assert slot == rows[1:2] and index.payloads(ids) == ["m0", "m2", "m3"]
+    with pytest.raises(KeyError):
+        index.pin(ids[:2])
+    assert index.remove(ids[:1], True) == ["m0"]  # back in another slot
+    slot, _ = index.reserve(ids[1:2])
+    index.commit(slot, ["m1 again"])
+    assert slot == rows[:1] and index.pin(ids[1:3]) == [rows[0], rows[2]]
+
+
 def test_forget_keeps_a_pinned_or_written_slot_until_its_holders_let_go():
     index = index_with(3, capacity=4)
     index.pin([IDS[0]])
