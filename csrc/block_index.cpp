@@ -90,15 +90,19 @@ nb::tuple BlockIndex::reserve(nb::handle ids) {
 nb::tuple BlockIndex::reserve_missing(nb::handle ids) {
     refuse_one_id(ids);
     Items it(ids);
-    Slots todo;
+    Slots todo, known;
+    known.resize(size_t(it.n));
     Keys keys;
-    each_slot(it, false, [&](Py_ssize_t i, int32_t s, const Key &k) {
-        if (s < 0) {
-            todo.push_back(int32_t(i));
-            keys.push_back(k);
-        }
-        return true;
-    });
+    each_slot(  // the leading ids its lookup found registered are held: no probe for those
+        it, false,
+        [&](Py_ssize_t i, int32_t s, const Key &k) {
+            if (s < 0) {
+                todo.push_back(int32_t(i));
+                keys.push_back(k);
+            }
+            return true;
+        },
+        recall(it, known.data()));
     ids_once(keys, "reserve_missing");
     nb::list evicted;
     Slots got;

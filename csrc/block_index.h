@@ -74,8 +74,9 @@ class BlockIndex {
     void touch_slots(const Slots &found);  // ``touch`` of the slots found (-1: skipped), the first most recent
     // The run a lookup (``held_by(..., touch=True)``) just found here: its id objects (owned; str and bytes
     // only, whose release runs no Python code), their keys and slots (-1: not here). A later call handed the
-    // same objects at the same positions (the load's ``pin`` of the prefix its lookup found, its ``metas_of``)
-    // takes each one's slot from it without a probe while that slot still registers that key (``recall``).
+    // same ids at the same positions, as those objects or equal ones (the load's ``pin`` of the prefix its
+    // lookup found, its ``metas_of``; the offload of the node the load became, ``reserve_missing``) takes each
+    // one's slot from it without a probe while that slot still registers that key (``recall``).
     void remember(PyObject *const *items, const Key *keys, const int32_t *slots, Py_ssize_t n);
     nb::list pin(nb::handle ids);
     void unpin(nb::handle ids);
@@ -141,18 +142,32 @@ class BlockIndex {
     void check(int32_t s) const;
 
     Py_ssize_t registered_slots(nb::handle ids, Slots &out) const;
-    // How many leading ids are the remembered run's objects whose slots still register their keys (their
-    // slots into ``out``).
+    // How many leading ids are the remembered run's, the same objects or equal ones (the tree hands an offload
+    // the keys its lookup found as new strings), whose slots still register their keys (their slots into
+    // ``out``). Stops at the first id that differs or does not parse (a malformed one is read, and raised,
+    // by the caller's walk from there). No table probe: the slots' cells are fetched a group ahead.
     Py_ssize_t recall(const Items &it, int32_t *out) const {
-        Py_ssize_t n = std::min(it.n, Py_ssize_t(recent_ids_.size())), i = 0;
-        for (; i < n && it.items[i] == recent_ids_[size_t(i)].ptr(); ++i) {
-            int32_t s = recent_slots_[size_t(i)];
-            if (s < 0 || !mapped_[size_t(s)] || state_[size_t(s)] != REGISTERED ||
-                !(keys_[size_t(s)] == recent_keys_[size_t(i)]))
-                break;
+        constexpr size_t AHEAD = size_t(IdGroup::N);
+        const size_t n = size_t(std::min(it.n, Py_ssize_t(recent_ids_.size())));
+        for (size_t j = 0; j < std::min(n, AHEAD); ++j) prefetch_slot(recent_slots_[j]);
+        size_t i = 0;
+        for (; i < n; ++i) {
+            if (i + AHEAD < n) prefetch_slot(recent_slots_[i + AHEAD]);
+            const Key &want = recent_keys_[i];
+            Key k;
+            if (it.items[i] != recent_ids_[i].ptr() && !(try_parse(it.items[i], k) && k == want)) break;
+            int32_t s = recent_slots_[i];
+            if (s < 0 || !mapped_[size_t(s)] || state_[size_t(s)] != REGISTERED || !(keys_[size_t(s)] == want)) break;
             out[i] = s;
         }
-        return i;
+        return Py_ssize_t(i);
+    }
+    void prefetch_slot(int32_t s) const {
+        if (s >= 0) {
+            KVBM_PREFETCH(&keys_[size_t(s)]);
+            KVBM_PREFETCH(&state_[size_t(s)]);
+            KVBM_PREFETCH(&mapped_[size_t(s)]);
+        }
     }
     // Each id's slot (``registered``: -1 where not registered; else -1 where neither registered nor being
     // written), a group at a time, from id ``from`` on; ``f(i, slot, key)`` false stops the walk (the ids

@@ -19,7 +19,8 @@ namespace {
 // The run ends at the first id none of them holds (the chain's lookups stop there; the rest is not read).
 // ``touch``: then the blocks of that run indexes[0] registers are made most recently used, as
 // ``indexes[0].touch(ids[:len(run)])`` would, from the slots found (no id read twice), and indexes[0]
-// remembers the run (``BlockIndex::remember``): the load that pins it follows.
+// remembers the run (``BlockIndex::remember``): the load that pins it follows, then the offload of the node it
+// became.
 nb::bytes held_by(nb::handle ids, nb::handle index_seq, bool touch) {
     kvbm::Items given(index_seq);
     if (given.n > 8) throw nb::value_error("held_by: at most 8 indexes");
@@ -152,6 +153,7 @@ NB_MODULE(_blocks, m) {
                   "-> bytes"),
           "Per id of the leading run held by any index, a byte whose bit i says indexes[i] registers it; "
           "``touch``: indexes[0]'s blocks of that run are made most recently used, the first most, and "
-          "indexes[0] remembers the run: a call given the same id objects next (a load's ``pin``) skips their probes.");
+          "indexes[0] remembers the run: a call given the same ids next (a load's ``pin``, the offload's "
+          "``reserve_missing``; the same objects or equal ones) skips their probes.");
     kvbm::bind_pages(m);
 }

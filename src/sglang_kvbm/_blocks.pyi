@@ -102,7 +102,7 @@ class BlockIndex:
 
 def held_by(ids: Sequence[str | bytes], indexes: Sequence[BlockIndex], touch: bool = False) -> bytes:
     """
-    Per id of the leading run held by any index, a byte whose bit i says indexes[i] registers it; ``touch``: indexes[0]'s blocks of that run are made most recently used, the first most, and indexes[0] remembers the run: a call given the same id objects next (a load's ``pin``) skips their probes.
+    Per id of the leading run held by any index, a byte whose bit i says indexes[i] registers it; ``touch``: indexes[0]'s blocks of that run are made most recently used, the first most, and indexes[0] remembers the run: a call given the same ids next (a load's ``pin``, the offload's ``reserve_missing``; the same objects or equal ones) skips their probes.
     """
 
 class PageIdentityError(RuntimeError):

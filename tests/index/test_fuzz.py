@@ -99,6 +99,19 @@ def outcome(call, *args):
         return ("raised", type(e))
 
 
+def _key_of(block_id):
+    """The key of a well-formed id (exact str of 64 hex digits, or 32 bytes), else None."""
+    if type(block_id) is bytes and len(block_id) == 32:
+        return block_id
+    if type(block_id) is str and len(block_id) == 64:
+        try:
+            key = bytes.fromhex(block_id)
+        except ValueError:
+            return None
+        return key if len(key) == 32 else None  # (fromhex skips spaces)
+    return None
+
+
 def id_forms(key: bytes):
     return st.sampled_from([key.hex(), key.hex().upper(), key])
 
@@ -282,11 +295,12 @@ class IndexMachine(RuleBasedStateMachine):
         self.looked_up = ((host, model), ids)
 
     @precondition(lambda self: self.looked_up)
-    @rule(data=st.data(), call=st.sampled_from(["pin", "unpin", "touch", "remove", "payloads"]))
+    @rule(data=st.data(), call=st.sampled_from(["pin", "unpin", "touch", "remove", "payloads", "reserve_missing"]))
     def after_lookup(self, data, call):
-        """A load's calls on the very id objects its lookup (``held_by(..., touch=True)``) found, as the lookup
-        handed them or a prefix or with one replaced, and the index changed in between or not: a slot taken from
-        what the lookup remembered must be the one the model finds now."""
+        """A load's calls on the ids its lookup (``held_by(..., touch=True)``) found (and the offload's
+        ``reserve_missing`` of the node they became), as the lookup handed them or equal new objects (another
+        case, raw bytes) or a prefix or with one replaced, and the index changed in between or not: a slot
+        taken from what the lookup remembered must be the one the model finds now."""
         (index, model), ids = self.looked_up
         since = data.draw(st.sampled_from(["nothing", "left", "reused"]), label="its blocks since") if ids else ""
         if since in ("left", "reused"):  # some of its blocks left; their slots stay free, or new blocks take them
@@ -297,6 +311,8 @@ class IndexMachine(RuleBasedStateMachine):
             if rows:
                 self.both(index, model, "commit", rows[0], self.payloads(len(rows[0])))
         ids = list(ids)[: data.draw(st.integers(0, len(ids)), label="prefix")]
+        if data.draw(st.booleans(), label="equal new objects"):  # the tree hands an offload new strings
+            ids = [data.draw(id_forms(k)) if (k := _key_of(i)) is not None else i for i in ids]
         if ids and data.draw(st.integers(0, 3), label="one replaced?") == 0:
             ids[data.draw(st.integers(0, len(ids) - 1))] = data.draw(st.sampled_from(POOL_HEX))
         self.both(index, model, call, ids)

@@ -205,6 +205,24 @@ def test_a_load_after_its_lookup_finds_the_slots_the_blocks_are_in_now():
     assert slot == rows[:1] and index.pin(ids[1:3]) == [rows[0], rows[2]]
 
 
+def test_the_offload_of_what_a_lookup_found_takes_its_slots_from_equal_ids_while_they_still_hold_them():
+    """The tree hands the offload of a loaded node its keys as new strings, equal to the ones its lookup found
+    (at page size 1, most of an offload's ids): ``reserve_missing`` takes the remembered slots by content, so
+    those are held, and a block that left since (its slot reused) is missing again."""
+    index = index_with(4, capacity=8)
+    found = list(IDS[:4])
+    assert held_by(found + [IDS[4]], [index], True) == bytes([1, 1, 1, 1])
+    offered = [i.upper() for i in found] + [bytes.fromhex(i) for i in IDS[4:6]]  # equal, not the same objects
+    assert index.reserve_missing(offered)[:2] == ([4, 5], [4, 5])
+    index.abort([4, 5])
+    assert index.remove(found[2:3], True) == ["m2"]  # gone: its slot free, then another block in it
+    slot, _ = index.reserve(IDS[7:8])
+    index.commit(slot, ["m7"])
+    todo, rows, _ = index.reserve_missing([(i + " ")[:-1] for i in found])
+    assert todo == [2] and index.holds(found[2]) and index.registered(IDS[7]) and rows != slot
+    assert index.pin([i.upper() for i in found[:2]]) == index.slots(found[:2])
+
+
 def test_forget_keeps_a_pinned_or_written_slot_until_its_holders_let_go():
     index = index_with(3, capacity=4)
     index.pin([IDS[0]])
