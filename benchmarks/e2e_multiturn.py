@@ -25,6 +25,7 @@ disk hits at or below HiCache's host and L3 hits.
     # SGLang 0.5.21 (Dynamo's), the disk run only: its servers from Dynamo's environment
     python benchmarks/e2e_multiturn.py --python .venv-dynamo/bin/python --only kvbm-G2+G3 --no-hicache \
         --env PYTHONPATH=tests/servers/cpu_paged_alloc --env KVBM_TEST_CPU_PAGED_ALLOC=1
+    # and with one request decoding throughout (add --decoder 256): its inter-token latency beside disk hits
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -40,7 +42,7 @@ import requests
 from common import mean, out_dir, pct, save_plot, scratch_dir, table, verdict
 from sglang_kvbm.ops.demo.model import DEMO, make_model, prompt_ids
 from sglang_kvbm.ops.demo.run import _stream_generate
-from sglang_kvbm.ops.demo.server import SglangServer, free_port
+from sglang_kvbm.ops.demo.server import SglangServer, free_port, stream_chunks
 
 
 @dataclasses.dataclass
@@ -53,6 +55,40 @@ class Run:
     seconds: float = 0.0
     cached: int = 0  # meta_info cached_tokens, every kind together (what SGLang 0.5.21 reports when details lack)
     stats: dict = dataclasses.field(default_factory=dict)  # this library's /stats at the end (kvbm runs)
+    itl: list = dataclasses.field(default_factory=list)  # ``--decoder``: gaps between its streamed tokens, s
+
+
+class Decoder:
+    """``--decoder``: one request decoding for the whole run beside the conversations (a new one when it ends),
+    the gaps between its streamed tokens kept: a scheduler step that stalls (a lookup waiting for a read on the
+    scheduler thread) delays its next token."""
+
+    def __init__(self, url: str, tokens: int) -> None:
+        self._url, self._tokens = url, tokens
+        self._stop = threading.Event()
+        self.gaps: list = []
+        self._thread = threading.Thread(target=self._run, name="decoder", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        body = {"input_ids": prompt_ids(777, 64, DEMO.vocab_size), "stream": True,
+                "sampling_params": {"max_new_tokens": self._tokens, "temperature": 0.0, "ignore_eos": True}}
+        while not self._stop.is_set():
+            with requests.post(f"{self._url}/generate", json=body, stream=True, timeout=600) as response:
+                response.raise_for_status()
+                last = None
+                for _ in stream_chunks(response):
+                    now = time.perf_counter()
+                    if last is not None:  # the gap to the request's first token is its TTFT, not an ITL
+                        self.gaps.append(now - last)
+                    last = now
+                    if self._stop.is_set():
+                        break
+
+    def stop(self) -> list:
+        self._stop.set()
+        self._thread.join()
+        return self.gaps
 
 
 def workload(args):
@@ -67,6 +103,7 @@ def run(name, server, args) -> Run:
     result = Run(name)
     histories = [prompt_ids(c, args.context, DEMO.vocab_size) for c in range(args.conversations)]
     _stream_generate(server.url, prompt_ids(424242, 64, DEMO.vocab_size), 1)  # warm-up
+    decoder = Decoder(server.url, args.decoder) if args.decoder else None
     started = time.perf_counter()
     for conv, question in workload(args):
         prompt = histories[conv] + question
@@ -86,6 +123,8 @@ def run(name, server, args) -> Run:
         result.output_tokens += len(answer)
         histories[conv] = prompt + answer
     result.seconds = time.perf_counter() - started
+    if decoder is not None:
+        result.itl = decoder.stop()
     return result
 
 
@@ -120,6 +159,9 @@ def main(argv=None) -> int:
     parser.add_argument("--python", help="the interpreter the servers run from (another SGLang release's environment)")
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                         help="set in every server's environment (repeatable)")
+    parser.add_argument("--decoder", type=int, default=0, metavar="TOKENS",
+                        help="one more request decoding this many tokens at a time for the whole run (restarted as "
+                        "it ends): its inter-token latency shows scheduler steps that stall (--only's table)")
     parser.add_argument("--only", help="these runs only, comma-separated (the comparisons need stock, "
                         "stock-unbounded and kvbm-G2)")
     args = parser.parse_args(argv)
@@ -169,10 +211,13 @@ def main(argv=None) -> int:
                          onboard.get("host", 0) * args.page_size, onboard.get("disk", 0) * args.page_size,
                          local.get("load_waits", 0), local.get("read_wait_seconds", 0.0),
                          r.stats.get("lookup_waits", {}).get("deferred", 0),
-                         r.stats.get("lookup_waits", {}).get("idle_wait_seconds", 0.0)])
+                         r.stats.get("lookup_waits", {}).get("idle_wait_seconds", 0.0)]
+                        + ([len(r.itl), pct(r.itl, 0.5) * 1e3, pct(r.itl, 0.99) * 1e3, max(r.itl) * 1e3]
+                           if args.decoder and r.itl else []))
         print(table(["run", "p50 TTFT s", "p90 TTFT s", "req/s", "cached tokens", "from host", "from disk",
                      "load waits", "scheduler s waiting on reads", "lookups deferred (0.5.21)",
-                     "idle scheduler s waiting on reads (0.5.21)"], rows))
+                     "idle scheduler s waiting on reads (0.5.21)"]
+                    + (["decoder tokens", "ITL p50 ms", "ITL p99 ms", "ITL max ms"] if args.decoder else []), rows))
         return 0
 
     stock, ideal = runs[0], runs[1]
