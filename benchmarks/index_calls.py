@@ -8,7 +8,11 @@ and 16 at ``--page-sizes 1,16,64``). Timed, in ns per call (one call = one node'
 * ``run`` on a full hit; ``touch``; ``pin+unpin`` (a pin and the unpin that undoes it, as one pair);
 * ``reserve`` and ``commit`` (timed apart) into free slots: the index has 4x the nodes' blocks of room,
   the batch is removed again between iterations (untimed);
-* ``reserve (evict)``: the index full, each reserve evicts one node's blocks (least recently used).
+* ``reserve (evict)``: the index full, each reserve evicts one node's blocks (least recently used);
+* ``lookup+load+offload``: what the scheduler asks host of a node it finds there, in order: the lookup
+  (``held_by(ids, [host], touch=True)``), the load's ``pin`` and ``unpin_slots``, and the offload's
+  ``reserve_missing`` of that node (all held: nothing reserved), the load and the offload handed equal ids
+  as other str objects (as SGLang's tree hands them); a build without those calls shows none.
 
 BASE is built from ``--base REV`` (default ``HEAD~1``: its ``csrc/`` and ``CMakeLists.txt``), NEW from the
 working tree's, each with cmake into ``build/bench-index/<name>/``, rebuilt only when the sources' hash
@@ -17,10 +21,13 @@ changes (needs cmake, and nanobind in this Python: ``.venv/bin/pip install nanob
 one ``.so`` as ``sglang_kvbm._blocks``; the builds alternate (base, new, base, new, ...) for ``--rounds``
 rounds, so drift hits both. A call's ns are the median over rounds of each child's best of ``--repeats``
 loops of ~``--target-ms``; its new/base is the median over rounds of the ratio of that round's two
-children (run back to back, so the machine's slow spells cancel). Met: every new/base <= 1.03.
+children (run back to back, so the machine's slow spells cancel). Met: every new/base <= 1.03. The loops run on
+warm caches; ``--cold`` times each call alone after overwriting 64 MiB, as a scheduler's call after a forward finds
+them (at page 1 most of a call's time is then its cache misses).
 
     .venv/bin/python benchmarks/index_calls.py                       # from the repo root, ~30 s on 2 cores
     .venv/bin/python benchmarks/index_calls.py --base HEAD --quick   # smoke run (one short round)
+    .venv/bin/python benchmarks/index_calls.py --base 87fe354 --cold --page-sizes 1,16   # cold caches, ~2 min
 
 Saves ``bench-out/index_calls.json`` (``KVBM_BENCH_OUT`` overrides), except with ``--quick``.
 """
@@ -45,8 +52,9 @@ from common import out_dir, table
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD = ROOT / "build" / "bench-index"
-CALLS = ("held_by", "run", "pin+unpin", "touch", "reserve", "commit", "reserve (evict)")
+CALLS = ("held_by", "run", "pin+unpin", "touch", "reserve", "commit", "reserve (evict)", "lookup+load+offload")
 LIMIT = 1.03
+COLD_BYTES = 64 << 20  # ``--cold``: written over between calls, several times this VM's last-level cache
 
 
 def _run(cmd: list[str], what: str) -> str:
@@ -179,8 +187,28 @@ def child(a) -> dict[str, float]:
             del got
         return (r,)
 
+    copies = [[(i + " ")[:-1] for i in b] for b in nodes]  # equal ids, other objects
+    nodes_of = {id(b): c for b, c in zip(nodes, copies)}
+
+    def lookup_load_offload(seq, f=blocks.held_by, idx=disk):
+        for b in seq:
+            f(b, [idx], True)
+            again = nodes_of[id(b)]
+            idx.unpin_slots(idx.pin(again))
+            idx.reserve_missing(again)
+
+    junk, sink = bytearray(COLD_BYTES), bytearray(COLD_BYTES)
+
     def loop(body, iters: int) -> tuple[float, ...]:  # ns per call
         seq = [nodes[i % k] for i in range(iters)]
+        if a.cold:  # each call timed alone, after the caches were overwritten (untimed)
+            sums = None
+            for b in seq:
+                sink[:] = junk
+                t0 = clock()
+                timed = body([b]) or (clock() - t0,)
+                sums = timed if sums is None else tuple(x + y for x, y in zip(sums, timed))
+            return tuple(x / iters for x in sums)
         t0 = clock()
         timed = body(seq)
         total = clock() - t0
@@ -188,8 +216,11 @@ def child(a) -> dict[str, float]:
 
     bodies = {"held_by": held, "run": run, "pin+unpin": pin, "touch": touch,
               "reserve": reserve_commit, "reserve (evict)": reserve_evict}
+    if hasattr(blocks.BlockIndex, "reserve_missing") and hasattr(blocks.BlockIndex, "unpin_slots"):
+        bodies["lookup+load+offload"] = lookup_load_offload
     gc.disable()
-    iters = {name: max(k, int(a.target_ms * 1e6 / sum(loop(body, 2 * k)))) for name, body in bodies.items()}  # warm
+    iters = {name: 2 * k if a.cold else max(k, int(a.target_ms * 1e6 / sum(loop(body, 2 * k))))  # (and warm up)
+             for name, body in bodies.items()}
     result: dict[str, float] = {}
     for _ in range(a.repeats):  # a call's loops spread over the child's life: a slow spell misses some
         for name, body in bodies.items():
@@ -204,7 +235,7 @@ def child(a) -> dict[str, float]:
 def measure(so: Path, page_size: int, a) -> dict[str, float]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--so", str(so), "--page-size", str(page_size),
            "--tokens", str(a.tokens), "--nodes", str(a.nodes), "--target-ms", str(a.target_ms),
-           "--repeats", str(a.repeats)]
+           "--repeats", str(a.repeats)] + (["--cold"] if a.cold else [])
     return json.loads(_run(cmd, f"the child for {so} at page {page_size}").strip().splitlines()[-1])
 
 
@@ -219,6 +250,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--repeats", type=int, default=5, help="timed loops per call in each child; the best counts")
     p.add_argument("--target-ms", type=float, default=8.0, help="length of one timed loop (default 8)")
+    p.add_argument("--cold", action="store_true",
+                   help="each call alone on cold caches (64 MiB written over before it), as a scheduler's call after a "
+                   "forward finds them; 2 x --nodes calls a loop")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 round of short loops, nothing saved")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--so", help=argparse.SUPPRESS)
@@ -244,6 +278,8 @@ def main() -> None:
     rows, ratios, slower, saved = [], [], [], []
     for ps in sizes:
         for call in CALLS:
+            if any(call not in x for b in ("base", "new") for x in runs[b, ps]):  # a build without its calls
+                continue
             base, new = ([x[call] for x in runs[b, ps]] for b in ("base", "new"))
             each = [y / x for x, y in zip(base, new)]  # a round's two children ran back to back: drift cancels
             ratio = statistics.median(each)

@@ -204,13 +204,9 @@ void BlockIndex::touch(nb::handle ids) {
     touch_slots(found);
 }
 
-void BlockIndex::remember(PyObject *const *items, const Key *keys, const int32_t *slots, Py_ssize_t n) {
-    recent_ids_.clear();  // the objects let go are str or bytes: no Python code runs
+void BlockIndex::remember(const Key *keys, const int32_t *slots, Py_ssize_t n) {
     recent_keys_.assign(keys, keys + n);
     recent_slots_.assign(slots, slots + n);
-    recent_ids_.reserve(size_t(n));
-    for (Py_ssize_t i = 0; i < n && (PyUnicode_CheckExact(items[i]) || PyBytes_CheckExact(items[i])); ++i)
-        recent_ids_.push_back(nb::borrow(items[i]));
 }
 
 void BlockIndex::touch_slots(const Slots &found) {

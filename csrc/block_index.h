@@ -72,12 +72,12 @@ class BlockIndex {
     // -- reads of registered blocks ---------------------------------------------------------
     void touch(nb::handle ids);
     void touch_slots(const Slots &found);  // ``touch`` of the slots found (-1: skipped), the first most recent
-    // The run a lookup (``held_by(..., touch=True)``) just found here: its id objects (owned; str and bytes
-    // only, whose release runs no Python code), their keys and slots (-1: not here). A later call handed the
-    // same ids at the same positions, as those objects or equal ones (the load's ``pin`` of the prefix its
-    // lookup found, its ``metas_of``; the offload of the node the load became, ``reserve_missing``) takes each
-    // one's slot from it without a probe while that slot still registers that key (``recall``).
-    void remember(PyObject *const *items, const Key *keys, const int32_t *slots, Py_ssize_t n);
+    // The run a lookup (``held_by(..., touch=True)``) just found here: its keys and slots (-1: not here), no
+    // Python object (holding the ids would move their release, a cache miss each, into the next lookup). A
+    // later call handed the same ids at the same positions (the load's ``pin`` of the prefix its lookup found,
+    // its ``metas_of``; the offload of the node the load became, ``reserve_missing``, as new strings) takes
+    // each one's slot from it without a probe while that slot still registers that key (``recall``).
+    void remember(const Key *keys, const int32_t *slots, Py_ssize_t n);
     nb::list pin(nb::handle ids);
     void unpin(nb::handle ids);
     void unpin_slots(nb::handle slot_seq);
@@ -127,8 +127,7 @@ class BlockIndex {
     KeyTable table_;  // key -> slot, for blocks registered or being written
     LruLinks lru_;    // registered slots
     size_t registered_ = 0, inflight_ = 0, pinned_ = 0, orphans_ = 0;
-    std::vector<nb::object> recent_ids_;  // ``remember``
-    std::vector<Key> recent_keys_;
+    std::vector<Key> recent_keys_;  // ``remember``
     std::vector<int32_t> recent_slots_;
 
     int32_t find(const Key &k) const { return table_.find(k, keys_); }
@@ -142,22 +141,23 @@ class BlockIndex {
     void check(int32_t s) const;
 
     Py_ssize_t registered_slots(nb::handle ids, Slots &out) const;
-    // How many leading ids are the remembered run's, the same objects or equal ones (the tree hands an offload
-    // the keys its lookup found as new strings), whose slots still register their keys (their slots into
-    // ``out``). Stops at the first id that differs or does not parse (a malformed one is read, and raised,
-    // by the caller's walk from there). No table probe: the slots' cells are fetched a group ahead.
+    // How many leading ids are the remembered run's (equal ids: the same objects, or new strings the tree hands
+    // an offload), whose slots still register their keys (their slots into ``out``). Stops at the first id that
+    // differs or does not parse (a malformed one is read, and raised, by the caller's walk from there). No table
+    // probe: the slots' cells are fetched a group ahead.
     Py_ssize_t recall(const Items &it, int32_t *out) const {
         constexpr size_t AHEAD = size_t(IdGroup::N);
-        const size_t n = size_t(std::min(it.n, Py_ssize_t(recent_ids_.size())));
+        const size_t n = std::min(size_t(it.n), recent_keys_.size());
         for (size_t j = 0; j < std::min(n, AHEAD); ++j) prefetch_slot(recent_slots_[j]);
         size_t i = 0;
         for (; i < n; ++i) {
             if (i + AHEAD < n) prefetch_slot(recent_slots_[i + AHEAD]);
             const Key &want = recent_keys_[i];
             Key k;
-            if (it.items[i] != recent_ids_[i].ptr() && !(try_parse(it.items[i], k) && k == want)) break;
             int32_t s = recent_slots_[i];
-            if (s < 0 || !mapped_[size_t(s)] || state_[size_t(s)] != REGISTERED || !(keys_[size_t(s)] == want)) break;
+            if (!try_parse(it.items[i], k) || !(k == want) || s < 0 || !mapped_[size_t(s)] ||
+                state_[size_t(s)] != REGISTERED || !(keys_[size_t(s)] == want))
+                break;
             out[i] = s;
         }
         return Py_ssize_t(i);

@@ -65,7 +65,7 @@ nb::bytes held_by(nb::handle ids, nb::handle index_seq, bool touch) {
     if (touch) {  // held[0] keeps it alive
         auto *first_index = const_cast<BlockIndex *>(indexes[0]);
         first_index->touch_slots(first);
-        first_index->remember(it.items, keys.data(), first.data(), Py_ssize_t(first.size()));
+        first_index->remember(keys.data(), first.data(), Py_ssize_t(first.size()));
     }
     return nb::bytes(out.data(), out.size());
 }

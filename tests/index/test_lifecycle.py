@@ -183,7 +183,7 @@ def test_held_by_reports_each_index_per_block_up_to_the_first_held_nowhere():
 
 
 def test_a_load_after_its_lookup_finds_the_slots_the_blocks_are_in_now():
-    """``held_by(touch=True)`` remembers the run it found for the calls that follow on the same id objects (a
+    """``held_by(touch=True)`` remembers the run it found for the calls that follow on the same ids (a
     load's ``pin``, ``metas_of``); a slot remembered is taken only while it still registers that block."""
     index = index_with(4, capacity=4)
     ids = list(IDS[:4])
