@@ -76,7 +76,9 @@ class KeyTable {
     static size_t hash(const Key &k) { return key_hash(k); }
 };
 
-// Slots in least- to most-recently-used order: an intrusive doubly linked list over slot numbers.
+// Slots in least- to most-recently-used order: an intrusive doubly linked list over slot numbers. A slot
+// linked twice or unlinked while out of the list is a broken invariant (a caller touched a slot that is not
+// registered): it aborts rather than leave a cycle that a later walk would loop on.
 class LruLinks {
   public:
     explicit LruLinks(int32_t slots) : prev_(slots, -1), next_(slots, -1) {}
@@ -85,6 +87,7 @@ class LruLinks {
     int32_t next(int32_t s) const { return next_[s]; }
 
     void push_back(int32_t s) {  // most recent
+        if (prev_[s] >= 0 || head_ == s) corrupted("LruLinks::push_back of a slot already in the list");
         prev_[s] = tail_;
         next_[s] = -1;
         if (tail_ >= 0) next_[tail_] = s; else head_ = s;
@@ -92,6 +95,7 @@ class LruLinks {
     }
 
     void unlink(int32_t s) {
+        if (prev_[s] < 0 && head_ != s) corrupted("LruLinks::unlink of a slot not in the list");
         if (prev_[s] >= 0) next_[prev_[s]] = next_[s]; else head_ = next_[s];
         if (next_[s] >= 0) prev_[next_[s]] = prev_[s]; else tail_ = prev_[s];
         prev_[s] = next_[s] = -1;
