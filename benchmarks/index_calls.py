@@ -18,7 +18,7 @@ BASE is built from ``--base REV`` (default ``HEAD~1``: its ``csrc/`` and ``CMake
 working tree's, each with cmake into ``build/bench-index/<name>/``, rebuilt only when the sources' hash
 changes (needs cmake, and nanobind in this Python: ``.venv/bin/pip install nanobind``); ``--base-so`` /
 ``--new-so`` take prebuilt ``.so`` files instead. Every measurement is a fresh child process that loads
-one ``.so`` as ``sglang_kvbm._blocks``; the builds alternate (base, new, base, new, ...) for ``--rounds``
+one ``.so`` as ``sglang_kvbm._blocks``; the builds alternate (base, new, new, base, ...: each first in every other round) for ``--rounds``
 rounds, so drift hits both. A call's ns are the median over rounds of each child's best of ``--repeats``
 loops of ~``--target-ms``; its new/base is the median over rounds of the ratio of that round's two
 children (run back to back, so the machine's slow spells cancel). Met: every new/base <= 1.03. The loops run on
@@ -272,7 +272,8 @@ def main() -> None:
     t0 = time.time()
     for r in range(a.rounds):
         for ps in sizes:
-            for b, so in (("base", base_so), ("new", new_so)):
+            pair = (("base", base_so), ("new", new_so))
+            for b, so in pair if r % 2 == 0 else pair[::-1]:  # each build first in every other round
                 runs[b, ps].append(measure(so, ps, a))
         print(f"  round {r + 1}/{a.rounds} ({time.time() - t0:.0f} s)", flush=True)
     rows, ratios, slower, saved = [], [], [], []
