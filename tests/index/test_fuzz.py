@@ -24,7 +24,7 @@ import weakref
 import blocks_under_test  # the build under test, before the index
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from index_model import MUTABLE, IndexModel
+from index_model import MUTABLE, IndexModel, parse
 from index_model import held_by as model_held_by
 
 from sglang_kvbm._blocks import BlockIndex, held_by
@@ -100,16 +100,11 @@ def outcome(call, *args):
 
 
 def _key_of(block_id):
-    """The key of a well-formed id (exact str of 64 hex digits, or 32 bytes), else None."""
-    if type(block_id) is bytes and len(block_id) == 32:
-        return block_id
-    if type(block_id) is str and len(block_id) == 64:
-        try:
-            key = bytes.fromhex(block_id)
-        except ValueError:
-            return None
-        return key if len(key) == 32 else None  # (fromhex skips spaces)
-    return None
+    """The key of a well-formed id (the model's ``parse``), else None."""
+    try:
+        return parse(block_id)
+    except (TypeError, ValueError):
+        return None
 
 
 def id_forms(key: bytes):
