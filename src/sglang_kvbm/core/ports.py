@@ -23,10 +23,11 @@ class StoreRequest:
     token slots); ``ready`` what a copy must wait for before it reads them (the
     forward's CUDA events). ``describe(positions)`` returns the pages at those
     positions (``core.pages``: views of one record of the node, built in one
-    compiled call); it runs on a copy thread, never the scheduler's.
+    compiled call); it runs on a copy thread, never the scheduler's. ``block_ids`` is
+    not copied: whoever builds the request does not change it afterwards.
     """
 
-    block_ids: tuple[BlockId, ...]
+    block_ids: Sequence[BlockId]
     pages: Any
     describe: Callable[[Sequence[int]], list[Page]]
     ready: tuple = ()

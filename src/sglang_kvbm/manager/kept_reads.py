@@ -58,7 +58,7 @@ class _Keep:
 class KeptReads:
     def __init__(self, host, staging, emit: Callable[[TierEvent], None], observe: Callable[[str, int, float], None],
                  reachable: Callable, generation: Callable[[], int], executor: Optional[Executor] = None):
-        """``reachable(metas, ids)``: how many leading blocks have their parent held below or among ``ids``
+        """``reachable(metas)``: how many leading blocks have their parent held below or among ``metas``
         (``Offloads.reachable``); ``executor`` (tests) replaces the copy thread."""
         self._host, self._staging = host, staging
         self._executor = executor or LaneExecutor("kvbm-keep")
@@ -78,7 +78,7 @@ class KeptReads:
         metas = pool.metas_of(ids)
         if len(metas) < len(ids):  # not registered in staging any more (cannot happen while the load pins them)
             return
-        reachable = self._reachable(metas, ids)
+        reachable = self._reachable(metas)
         ids, metas = ids[:reachable], metas[:reachable]
         if not ids:
             return
@@ -95,7 +95,7 @@ class KeptReads:
             future = self._executor.submit(copies.staging_to_host, pool.slab, staging_rows, host.slab, rows)
         except RuntimeError:  # shut down
             pool.unpin(ids)
-            host.abort(ids, rows)
+            host.abort(rows)
             return
         source_of = dict(zip(staged_ids, sources))
         self._keeps.append(_Keep(future, tuple(ids), tuple(metas), tuple(map(source_of.__getitem__, ids)),
@@ -114,7 +114,7 @@ class KeptReads:
             if not current or keep.future.cancelled() or error is not None:
                 if error is not None:
                     logger.error("kvbm: keeping %d read blocks in host failed: %r", len(keep.ids), error)
-                self._host.abort(keep.ids, keep.rows)
+                self._host.abort(keep.rows)
                 continue
             self._host.commit(keep.metas, keep.rows)
             self._observe("s2h", len(keep.ids) * pool.slab.shape[1], keep.future.result())

@@ -185,7 +185,8 @@ class TierReads:
             except KeyError:
                 pass
             else:
-                return PinnedRows(list(block_ids), rows, range(len(block_ids)), [], [], [], [], self._generation())
+                # the caller's ids, not copied: the tree builds a transfer's keys per call and never changes them
+                return PinnedRows(block_ids, rows, range(len(block_ids)), [], [], [], [], self._generation())
         host_rows = host.rows(block_ids) if host is not None else [None] * len(block_ids)
         in_host = list(map(operator.is_not, host_rows, repeat(None)))
         lower = list(compress(block_ids, map(operator.not_, in_host)))

@@ -32,7 +32,6 @@ from collections import deque
 from concurrent.futures import Executor, Future
 from typing import Callable, Optional, Sequence
 
-from sglang_kvbm.core.identity import BlockId
 from sglang_kvbm.core.pages import Page, unchained
 from sglang_kvbm.core.ports import StoreRequest, TierEvent, TierEventKind
 from sglang_kvbm.core.tiers import DEVICE, DISK, HOST, TierInfo
@@ -48,8 +47,7 @@ class _Job:
 
     ticket: int
     target: TierInfo
-    ids: tuple[BlockId, ...]
-    slots: tuple  # host rows, or disk reservations
+    slots: Sequence  # host rows, or disk reservations: one per page copied (the pages' ids come back in their metas)
     generation: int
     future: Future
 
@@ -100,8 +98,7 @@ class Offloads:
                 positions, todo = todo[: len(rows)], todo[len(rows) :]
                 future: Future = Future()
                 self._queued.append((future, request, positions, rows, self._generation))
-                self._submit(_Job(ticket, HOST, tuple(map(ids.__getitem__, positions)), tuple(rows), self._generation,
-                                  future))
+                self._submit(_Job(ticket, HOST, rows, self._generation, future))
         else:
             todo = disk.missing(ids)
         if todo and disk is not None:
@@ -114,8 +111,7 @@ class Offloads:
                 future = self._disk.writer.submit_urgent(
                     copies.device_to_disk, self.layout, self._writer_stream, disk, request, positions, reserved
                 )
-                self._submit(_Job(ticket, DISK, tuple(r.block_id for r in reserved), tuple(reserved),
-                                  self._generation, future))
+                self._submit(_Job(ticket, DISK, reserved, self._generation, future))
         if todo:
             self.stats.blocks_not_stored_no_room += len(todo)
             self._parts[ticket][1] = False
@@ -171,19 +167,22 @@ class Offloads:
         pool = self.host if job.target is HOST else self.disk
         if job.generation != self._generation or error is not None:
             if error is not None and error is not _CANCELLED:
-                logger.error("kvbm: device->%s copy of %d blocks failed: %r", job.target.name, len(job.ids), error)
+                logger.error("kvbm: device->%s copy of %d blocks failed: %r", job.target.name, len(job.slots), error)
                 self.stats.store_failures += 1
             self._abort(job)
             return False
         result = job.future.result()
         metas, seconds = result[0], result[-1]
-        reachable = self.reachable(metas, job.ids)
+        reachable = self.reachable(metas)
         if reachable < len(metas):  # a page whose parent is held nowhere below could never be hit
             self.stats.blocks_dropped_unreachable += len(metas) - reachable
-        keep = metas[:reachable]
+        keep = metas[:reachable]  # device -> host: a tuple (``copies``), so all of it is the same tuple, not a copy
         if job.target is HOST:
-            pool.abort(job.ids[reachable:], job.slots[reachable:])
-            pool.commit(keep, job.slots[:reachable])
+            rows = job.slots
+            if reachable < len(metas):
+                pool.abort(rows[reachable:])
+                rows = rows[:reachable]
+            pool.commit(keep, rows)
             self._observe("d2h", reachable * self.layout.page_bytes, seconds)
             self._emit(TierEvent(TierEventKind.STORED, HOST.name, tuple(keep), DEVICE.name, HOST.medium))
         else:
@@ -195,8 +194,9 @@ class Offloads:
             reachable = len(registered)
         return reachable == len(metas)
 
-    def reachable(self, metas: Sequence[Page], ids: Sequence[BlockId]) -> int:
-        """How many leading pages have their parent in this copy (``ids``) or held below (registered or on its way).
+    def reachable(self, metas: Sequence[Page]) -> int:
+        """How many leading pages have their parent in this copy (among ``metas``) or held below (registered or on
+        its way).
 
         Only pages whose parent is not the page before them (``unchained``: usually the first alone) are looked
         up; finding those is one C call, with no id read."""
@@ -207,16 +207,13 @@ class Offloads:
             if parent is None or (host is not None and host.holds(parent)) or (disk is not None and disk.holds(parent)):
                 continue
             if copied is None:
-                copied = set(ids)
+                copied = {meta.block_id for meta in metas}
             if parent not in copied:
                 return i
         return len(metas)
 
     def _abort(self, job: _Job) -> None:
-        if job.target is HOST:
-            self.host.abort(job.ids, job.slots)
-        else:
-            self.disk.abort(job.slots)
+        (self.host if job.target is HOST else self.disk).abort(job.slots)
 
     @property
     def generation(self) -> int:

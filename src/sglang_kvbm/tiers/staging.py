@@ -95,7 +95,7 @@ class ReadStaging:
             ids, job_rows = tuple(todo[start : start + step]), tuple(rows[start : start + step])
             read = tier.start_read(ids, self.pool.slab, self._headers, job_rows, urgent=urgent)
             if read is None:  # not held any more, or the tier is down: the rest is not read
-                self.pool.abort(todo[start:], rows[start:])
+                self.pool.abort(rows[start:])
                 break
             job = _ReadJob(tier, read, ids, job_rows, self.generation)
             self._pending.append(job)
@@ -169,7 +169,7 @@ class ReadStaging:
         good = [i for i, meta in enumerate(metas) if meta is not None]
         if len(good) < len(job.ids):
             bad = [i for i, meta in enumerate(metas) if meta is None]
-            self.pool.abort([job.ids[i] for i in bad], [job.rows[i] for i in bad])
+            self.pool.abort([job.rows[i] for i in bad])
         if good:
             self.pool.commit([metas[i] for i in good], [job.rows[i] for i in good])
             self.source.update(dict.fromkeys((job.ids[i] for i in good), job.tier.name))

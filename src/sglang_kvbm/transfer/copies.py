@@ -48,13 +48,14 @@ def _pages(layout: PagedKvLayout, request: StoreRequest, positions: Sequence[int
     return pages
 
 
-def device_to_host(layout, stream, request: StoreRequest, positions, slab, rows) -> tuple[list[Page], float]:
-    """Device pages into host rows; returns the pages' metas (built here, off the scheduler thread)."""
+def device_to_host(layout, stream, request: StoreRequest, positions, slab, rows) -> tuple[tuple[Page, ...], float]:
+    """Device pages into host rows; returns the pages' metas, built here, off the scheduler thread, as a tuple (the
+    scheduler registers and announces them as they are: no copy touching each page there)."""
     started = time.perf_counter()
     with layout.copying(stream, request.ready):
         layout.save(_pages(layout, request, positions), slab, index(rows))
     seconds = time.perf_counter() - started
-    return request.describe(positions), seconds
+    return tuple(request.describe(positions)), seconds
 
 
 def device_to_host_parts(layout, stream, parts, slab) -> None:

@@ -50,6 +50,7 @@ class PagedKvLayout:
         rows_per_page = page_size // tokens_per_row
         self.page_size = page_size
         self.device = buffers[0].device
+        self.is_cuda = self.device.type == "cuda"  # asked on every store and load: an attribute, not a property
         num_pages = min(buf.shape[0] for buf in buffers) // rows_per_page
         byte_views: list[torch.Tensor] = []
         for i, buf in enumerate(buffers):
@@ -77,10 +78,6 @@ class PagedKvLayout:
         w = self._word
         self._spans = tuple((off // w, n // w) for off, n in zip(self.buffer_offsets, self.buffer_page_bytes))
         self._streams_taken: set[int] = set()  # CUDA streams a new copy stream must not alias
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.device.type == "cuda"
 
     @property
     def num_layers(self) -> int:

@@ -193,7 +193,7 @@ class KvbmLinker(UnifiedCacheLinker):
         key, priority = self._insert
         context = InsertContext(key, priority, self.page_size, self._event_settings)
         kv = kv_transfer(transfers)
-        keys = tuple(kv.keys)
+        keys = kv.keys  # the transfer's own list (the tree builds one per call and never changes it): not copied
         ready = tuple(self.record_offload_ready()) if self.layout.is_cuda else ()
         request = StoreRequest(keys, kv.device_indices, functools.partial(context.describe, keys), ready)
         if not self.connector.offload(request, priority=priority):

@@ -76,9 +76,9 @@ class HostBlockPool:
         """
         self.index.commit(rows, metas)
 
-    def abort(self, block_ids: Sequence[BlockId], rows: Sequence[int]) -> None:
-        """A copy failed or was discarded: drop its blocks and give their rows back (an orphan's, once its
-        last holder let go)."""
+    def abort(self, rows: Sequence[int]) -> None:
+        """A copy failed or was discarded: drop the blocks of its rows and give the rows back (an orphan's, once
+        its last holder let go)."""
         self.index.abort(rows)
 
     def remove(self, block_ids: Sequence[BlockId]) -> list[Page]:
