@@ -219,7 +219,7 @@ void BlockIndex::touch_slots(const Slots &found) {
 
 // Keep blocks from eviction while their slots are read; returns the slots. Every id must be registered
 // (else KeyError, nothing pinned); a repeated id is two pins.
-nb::list BlockIndex::pin(nb::handle ids) {
+nb::object BlockIndex::pin(nb::handle ids) {
     Slots found;
     Py_ssize_t missing = registered_slots(ids, found);
     if (missing >= 0) {
@@ -228,7 +228,7 @@ nb::list BlockIndex::pin(nb::handle ids) {
     }
     for (int32_t s : found)
         if (pins_[size_t(s)]++ == 0) ++pinned_;
-    return int_list(found.data(), found.size());
+    return int32_array(found.data(), found.size());
 }
 
 // Undo one ``pin`` of each id (ids not pinned are ignored; a repeated id is two unpins).

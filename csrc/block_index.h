@@ -78,7 +78,7 @@ class BlockIndex {
     // its ``metas_of``; the offload of the node the load became, ``reserve_missing``, as new strings) takes
     // each one's slot from it without a probe while that slot still registers that key (``recall``).
     void remember(const Key *keys, const int32_t *slots, Py_ssize_t n);
-    nb::list pin(nb::handle ids);
+    nb::object pin(nb::handle ids);  // an array('i') of the slots
     void unpin(nb::handle ids);
     void unpin_slots(nb::handle slot_seq);
     int32_t pins(nb::handle id) const;

@@ -94,6 +94,7 @@ NB_MODULE(_blocks, m) {
     m.doc() = "The compiled block index of each tier (csrc/block_index.h) and page records (csrc/pages.h).";
     // An index lives as long as its tier; at interpreter exit some still do (daemon copy threads hold theirs).
     nb::set_leak_warnings(false);
+    kvbm::array_type() = nb::object(nb::module_::import_("array").attr("array")).release().ptr();
     nb::exception<kvbm::BlockStateError>(m, "BlockStateError", PyExc_RuntimeError);
     nb::class_<BlockIndex>(m, "BlockIndex", nb::type_slots(index_slots),
                            "Which slot of one tier holds which block: states, LRU with pins, payloads.")
@@ -127,7 +128,9 @@ NB_MODULE(_blocks, m) {
         .def("release_orphans", &BlockIndex::release_orphans,
              nb::sig("def release_orphans(self, slots: " SLOTS ", /) -> None"))
         .def("touch", &BlockIndex::touch, nb::sig("def touch(self, ids: " IDS ", /) -> None"))
-        .def("pin", &BlockIndex::pin, nb::sig("def pin(self, ids: " IDS ", /) -> list[int]"))
+        .def("pin", &BlockIndex::pin, nb::sig("def pin(self, ids: " IDS ", /) -> array.array[int]"),
+             "The slots, as one array('i'): a load's thousands of rows make no Python int each (unpin_slots and "
+             "release_orphans read it back in one copy).")
         .def("unpin", &BlockIndex::unpin, nb::sig("def unpin(self, ids: " IDS ", /) -> None"))
         .def("unpin_slots", &BlockIndex::unpin_slots, nb::sig("def unpin_slots(self, slots: " SLOTS ", /) -> None"),
              "unpin by the slots pin returned (a slot dropped since is left alone).")

@@ -94,10 +94,52 @@ using Keys = SmallVec<Key, 128>;
                            " out of range [0, " + std::to_string(bound) + ")").c_str());
 }
 
-// A sequence of slots in [0, bound) into ``out``. Exact ints are read in place (no Python code runs); from
-// the first item that is not one, each goes through ``__index__`` (TypeError when it has none) with the
-// item held, and the sequence is re-read after each (an ``__index__`` may change it).
+// ``array.array``, imported once with the module (``module.cpp``): slots go out as one ``array('i')``.
+inline PyObject *&array_type() {
+    static PyObject *type = nullptr;  // a strong reference, never released (the module lives as long)
+    return type;
+}
+
+// Slots out as one ``array.array('i')`` of int32: no Python int made per slot, and read back (``slots_of``)
+// in one copy. It indexes, iterates, slices and measures as a list of ints does.
+inline nb::object int32_array(const int32_t *v, size_t n) {
+    static_assert(sizeof(int) == sizeof(int32_t), "array('i') holds C ints");
+    nb::object bytes = nb::steal(PyBytes_FromStringAndSize(reinterpret_cast<const char *>(v), Py_ssize_t(n * 4)));
+    if (!bytes.is_valid()) throw nb::python_error();
+    PyObject *out = PyObject_CallFunction(array_type(), "sO", "i", bytes.ptr());
+    if (!out) throw nb::python_error();
+    return nb::steal(out);
+}
+
+// An int32 buffer (``array('i')``, what ``int32_array`` makes) into ``out``, checked against ``bound``; false
+// (nothing read) for any other object. Runs no Python code.
+inline bool slots_of_buffer(nb::handle h, int32_t bound, Slots &out) {
+    if (!PyObject_CheckBuffer(h.ptr()) || PyBytes_Check(h.ptr()) || PyByteArray_Check(h.ptr())) return false;
+    Py_buffer view;
+    if (PyObject_GetBuffer(h.ptr(), &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0) {
+        PyErr_Clear();
+        return false;
+    }
+    const bool int32 = view.itemsize == 4 && view.format && (std::strcmp(view.format, "i") == 0 ||
+                                                              std::strcmp(view.format, "=i") == 0);
+    if (int32) {
+        const size_t n = size_t(view.len / 4);
+        out.resize(n);
+        std::memcpy(out.data(), view.buf, n * 4);
+        PyBuffer_Release(&view);
+        for (size_t i = 0; i < n; ++i)
+            if (out[i] < 0 || out[i] >= bound) slot_out_of_range(out[i], false, bound);
+        return true;
+    }
+    PyBuffer_Release(&view);
+    return false;
+}
+
+// A sequence of slots in [0, bound) into ``out``: an ``array('i')`` in one copy; else exact ints are read in
+// place (no Python code runs); from the first item that is not one, each goes through ``__index__`` (TypeError
+// when it has none) with the item held, and the sequence is re-read after each (an ``__index__`` may change it).
 inline void slots_of(nb::handle h, int32_t bound, Slots &out) {
+    if (slots_of_buffer(h, bound, out)) return;
     Items it(h);
     out.reserve(size_t(it.n));
     Py_ssize_t i = 0;

@@ -2,6 +2,7 @@
 The compiled block index of each tier (csrc/block_index.h) and page records (csrc/pages.h).
 """
 
+import array
 from collections.abc import Sequence
 
 
@@ -63,7 +64,10 @@ class BlockIndex:
 
     def touch(self, ids: Sequence[str | bytes], /) -> None: ...
 
-    def pin(self, ids: Sequence[str | bytes], /) -> list[int]: ...
+    def pin(self, ids: Sequence[str | bytes], /) -> array.array[int]:
+        """
+        The slots, as one array('i'): a load's thousands of rows make no Python int each (unpin_slots and release_orphans read it back in one copy).
+        """
 
     def unpin(self, ids: Sequence[str | bytes], /) -> None: ...
 

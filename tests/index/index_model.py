@@ -9,6 +9,7 @@ nothing here by construction.
 from __future__ import annotations
 
 import operator
+from array import array
 
 import blocks_under_test  # noqa: F401 - the build under test, before the index
 
@@ -206,7 +207,7 @@ class IndexModel:
             got.append(s)
         for s in got:
             self.pin_count[s] += 1
-        return got
+        return array("i", got)  # the slots as one int32 buffer
 
     def unpin(self, ids):
         for key in keys_of(ids):

@@ -20,6 +20,7 @@ import hashlib
 import struct
 import sys
 import weakref
+from array import array
 
 import blocks_under_test  # the build under test, before the index
 from hypothesis import strategies as st
@@ -145,7 +146,9 @@ class IndexMachine(RuleBasedStateMachine):
 
     def slots(self, data, prefer):
         """A batch of distinct slots, mostly ``prefer``red (the model's slots in the state the call wants), now and
-        then one out of range, of the wrong type, as an ``__index__`` object, or repeated."""
+        then one out of range, of the wrong type, as an ``__index__`` object, or repeated; or the batch as an
+        ``array('i')`` (what ``pin`` returns: read as one buffer), one out of range, or an ``array('q')`` (a buffer
+        of another item type: read item by item)."""
         if not self.cap:
             batch = []
         else:
@@ -160,6 +163,12 @@ class IndexMachine(RuleBasedStateMachine):
             batch = [Index(s) for s in batch]
         elif odd == 2 and batch:
             batch.insert(data.draw(st.integers(0, len(batch))), data.draw(st.sampled_from(batch)))
+        elif odd == 3:
+            return array("i", batch)
+        elif odd == 4:
+            return array("i", batch + [data.draw(st.sampled_from([-1, self.cap]))])
+        elif odd == 5:
+            return array("q", batch)
         return batch
 
     def payloads(self, n):

@@ -79,7 +79,7 @@ def test_ids_are_hex_storage_hashes_or_their_bytes_and_anything_else_is_refused(
 def test_lru_evicts_least_recent_and_never_a_pinned_block():
     index = index_with(3, capacity=3)  # most recent first: IDS[0], IDS[1], IDS[2]
     index.touch([IDS[2]])
-    assert index.pin([IDS[1]]) == [1]
+    assert list(index.pin([IDS[1]])) == [1]
     slots, evicted = index.reserve(IDS[3:5])
     assert evicted == ["m0", "m2"] and sorted(slots) == [0, 2]  # IDS[1] pinned; IDS[2] was touched after IDS[0]
     assert index.reserve(IDS[5:6]) == ([], [])  # only the pinned block is left to evict, and it is pinned
@@ -189,7 +189,7 @@ def test_a_load_after_its_lookup_finds_the_slots_the_blocks_are_in_now():
     ids = list(IDS[:4])
     assert held_by(ids, [index], True) == bytes([1, 1, 1, 1])
     rows = index.slots(ids)
-    assert index.pin(ids[:3]) == rows[:3] and index.payloads(ids) == ["m0", "m1", "m2", "m3"]
+    assert list(index.pin(ids[:3])) == rows[:3] and index.payloads(ids) == ["m0", "m1", "m2", "m3"]
     index.unpin(ids[:3])
     assert index.remove(ids[1:2], True) == ["m1"]  # gone: its slot free
     with pytest.raises(KeyError):
@@ -202,7 +202,7 @@ def test_a_load_after_its_lookup_finds_the_slots_the_blocks_are_in_now():
     assert index.remove(ids[:1], True) == ["m0"]  # back in another slot
     slot, _ = index.reserve(ids[1:2])
     index.commit(slot, ["m1 again"])
-    assert slot == rows[:1] and index.pin(ids[1:3]) == [rows[0], rows[2]]
+    assert slot == rows[:1] and list(index.pin(ids[1:3])) == [rows[0], rows[2]]
 
 
 def test_the_offload_of_what_a_lookup_found_takes_its_slots_from_equal_ids_while_they_still_hold_them():
@@ -220,7 +220,7 @@ def test_the_offload_of_what_a_lookup_found_takes_its_slots_from_equal_ids_while
     index.commit(slot, ["m7"])
     todo, rows, _ = index.reserve_missing([(i + " ")[:-1] for i in found])
     assert todo == [2] and index.holds(found[2]) and index.registered(IDS[7]) and rows != slot
-    assert index.pin([i.upper() for i in found[:2]]) == index.slots(found[:2])
+    assert list(index.pin([i.upper() for i in found[:2]])) == index.slots(found[:2])
 
 
 def test_forget_keeps_a_pinned_or_written_slot_until_its_holders_let_go():

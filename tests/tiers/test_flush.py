@@ -167,4 +167,4 @@ def test_a_host_row_pinned_by_two_holders_is_reused_only_after_both_let_go():
     got, _ = pool.reserve([y, z])
     assert held[0] not in got and len(got) == 1  # the G4 write still reads its row
     pool.release_orphans(held)  # the G4 write ends
-    assert pool.accounting()["orphaned"] == 0 and pool.reserve([w])[0] == held
+    assert pool.accounting()["orphaned"] == 0 and pool.reserve([w])[0] == list(held)

@@ -42,11 +42,11 @@ class PinnedRows:
     """Blocks pinned for one load: host rows, and staging rows holding verified blocks of the tiers below (this
     manager's :class:`~sglang_kvbm.core.ports.LoadPlan`)."""
 
-    host_ids: list[BlockId]
-    host_rows: list[int]
+    host_ids: Sequence[BlockId]
+    host_rows: Sequence[int]  # a pin's array('i')
     host_positions: Sequence[int]  # a range when the whole load is host rows
     staged_ids: list[BlockId]
-    staged_rows: list[int]
+    staged_rows: Sequence[int]
     staged_positions: list[int]
     staged_from: list[str] = dataclasses.field(default_factory=list)  # per staged block: its tier's name
     generation: int = 0  # of the tiers it pinned in: after a reset its pins are gone with them

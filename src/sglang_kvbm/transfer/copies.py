@@ -130,12 +130,13 @@ def load_batch(layout: PagedKvLayout, parts: Sequence[tuple[torch.Tensor, Sequen
         if not len(rows):
             continue
         entry = by_slab.setdefault(id(slab), (slab, [], []))
-        entry[1].extend(rows)
+        entry[1].append(rows)
         entry[2].append(pages)
         blocks[tier] += len(rows)
     sources = []
-    for slab, rows, pages in by_slab.values():
-        rows, pages = index(rows), torch.cat(pages)
+    for slab, parts_rows, pages in by_slab.values():  # each part's rows are one buffer (a pin's array('i'))
+        rows = index(parts_rows[0]) if len(parts_rows) == 1 else torch.cat([index(r) for r in parts_rows])
+        pages = torch.cat(pages)
         if layout.is_cuda:  # the pages are on the device: no run without a sync; the rows go there once, here
             runs = (run_start(rows), None)
             rows = rows if runs[0] is not None else to_device(rows, layout.device)

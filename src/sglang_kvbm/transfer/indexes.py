@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from typing import Optional, Sequence
 
 import torch
@@ -9,8 +10,12 @@ import torch
 
 def index(values: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
     """An int64 index tensor; on CUDA copied from pinned memory, asynchronously on the current stream
-    (``torch.tensor(..., device="cuda")`` would be a synchronous pageable copy)."""
-    host = torch.tensor(values, dtype=torch.int64)
+    (``torch.tensor(..., device="cuda")`` would be a synchronous pageable copy). An ``array('i')`` (the rows a
+    tier's ``pin`` returns) is read as one buffer, not element by element."""
+    if isinstance(values, array) and values.typecode == "i" and len(values):
+        host = torch.frombuffer(values, dtype=torch.int32).to(torch.int64)
+    else:
+        host = torch.tensor(values, dtype=torch.int64)
     return host if torch.device(device).type != "cuda" else to_device(host, device)
 
 

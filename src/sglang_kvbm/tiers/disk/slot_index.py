@@ -64,7 +64,7 @@ class DiskSlotIndex:
     def touch(self, block_ids: Sequence[BlockId]) -> None:
         self.index.touch(block_ids)
 
-    def pin(self, block_ids: Sequence[BlockId]) -> list[int]:
+    def pin(self, block_ids: Sequence[BlockId]) -> Sequence[int]:
         return self.index.pin(block_ids)
 
     def unpin(self, block_ids: Sequence[BlockId]) -> None:

@@ -88,8 +88,9 @@ class HostBlockPool:
     def touch(self, block_ids: Sequence[BlockId]) -> None:
         self.index.touch(block_ids)
 
-    def pin(self, block_ids: Sequence[BlockId]) -> list[int]:
-        """Keep registered blocks from eviction while something reads their rows; returns the rows."""
+    def pin(self, block_ids: Sequence[BlockId]) -> Sequence[int]:
+        """Keep registered blocks from eviction while something reads their rows; returns the rows, as one
+        ``array('i')`` (no Python int per row; :meth:`unpin_rows` reads it back in one copy)."""
         return self.index.pin(block_ids)
 
     def unpin(self, block_ids: Sequence[BlockId]) -> None:
