@@ -109,9 +109,16 @@ class BlockIndex {
     }
 
     // ``find`` (``registered``: ``registered_slot``) for a group of keys at once, ``out[j]`` for ``keys[j]``
-    // (-1 where ``ok[j]`` is false): every home cell is fetched, then every first candidate's key and state,
-    // before any is compared, so a group's cache misses overlap (``held_by`` calls it once per index).
-    void find_group(const Key *keys, const bool *ok, Py_ssize_t n, bool registered, int32_t *out) const;
+    // (-1 where ``ok[j]`` is false). A run stored together sits in consecutive slots (slots go out in
+    // ascending order), so each key is first looked for in the slot after the previous key's, with no table
+    // probe (its key and state lie next to the ones just read); ``after`` is the slot of the key before
+    // ``keys[0]`` (-1: not held; ``FIRST_OF_BATCH``: there is none) and becomes ``keys[n-1]``'s. The keys not
+    // found that way are probed as a group:
+    // every home cell is fetched, then every first candidate's key and state, before any is compared, so
+    // their cache misses overlap (``held_by`` calls it once per index).
+    void find_group(const Key *keys, const bool *ok, Py_ssize_t n, bool registered, int32_t *out,
+                    int32_t &after) const;
+    static constexpr int32_t FIRST_OF_BATCH = -3;
 
     // The garbage collector's view: the payloads kept (tp_traverse), and letting them go (tp_clear).
     int traverse(visitproc visit, void *arg) const;
@@ -176,9 +183,10 @@ class BlockIndex {
     void each_slot(const Items &it, bool registered, F &&f, Py_ssize_t from = 0) const {
         IdGroup g;
         int32_t found[IdGroup::N];
+        int32_t after = FIRST_OF_BATCH;
         for (Py_ssize_t i = from; i < it.n; i += IdGroup::N) {
             g.read(it.items, it.n, i);
-            find_group(g.key, g.ok, g.n, registered, found);
+            find_group(g.key, g.ok, g.n, registered, found, after);
             for (Py_ssize_t j = 0; j < g.n; ++j) {
                 if (!g.ok[j]) bad_id(it.items[i + j]);
                 if (!f(i + j, found[j], g.key[j])) return;

@@ -47,25 +47,54 @@ Py_ssize_t BlockIndex::registered_slots(nb::handle ids, Slots &out) const {
     return first_missing;
 }
 
-void BlockIndex::find_group(const Key *keys, const bool *ok, Py_ssize_t n, bool registered, int32_t *out) const {
-    size_t cell[IdGroup::N];
-    for (Py_ssize_t j = 0; j < n; ++j)
-        if (ok[j]) {
-            cell[j] = table_.home(keys[j]);
-            table_.prefetch(cell[j]);
-        }
-    for (Py_ssize_t j = 0; j < n; ++j)
-        if (ok[j]) {
-            int32_t s = table_.first(cell[j]);
-            if (s >= 0) {
-                KVBM_PREFETCH(&keys_[size_t(s)]);
-                KVBM_PREFETCH(&state_[size_t(s)]);
-            }
-        }
+void BlockIndex::find_group(const Key *keys, const bool *ok, Py_ssize_t n, bool registered, int32_t *out,
+                            int32_t &after) const {
+    // The slot after the previous key's: a slot holds at most one key, the table maps each key it holds, so a
+    // mapped slot holding this key is the one the table would find. Where that misses after a key found (a
+    // run's edge), or for a batch's first key (``FIRST_OF_BATCH``), the key is probed at once and the guesses
+    // go on from its slot; a second miss in a row leaves the rest of the group to the overlapped probes below
+    // (rows in no order cost one lone probe a group more than none; keys not held, none).
+    constexpr int32_t PROBE = -2;
+    bool probe = false, alone = after >= 0 || after == FIRST_OF_BATCH;  // alone: the next miss is probed at once
+    int32_t prev = after >= 0 ? after : -1;
     for (Py_ssize_t j = 0; j < n; ++j) {
-        int32_t s = ok[j] ? table_.find_from(cell[j], keys[j], keys_) : -1;
-        out[j] = s >= 0 && registered && state_[size_t(s)] != REGISTERED ? -1 : s;
+        const int32_t g = prev >= 0 && prev + 1 < cap_ ? prev + 1 : -1;
+        if (!ok[j]) {
+            out[j] = prev = -1;
+        } else if (g >= 0 && mapped_[size_t(g)] && keys_[size_t(g)] == keys[j]) {
+            out[j] = prev = g;
+            alone = true;
+        } else if (alone) {
+            out[j] = prev = find(keys[j]);
+            alone = false;
+        } else {
+            out[j] = PROBE;
+            probe = true;
+            prev = -1;
+        }
     }
+    if (probe) {
+        size_t cell[IdGroup::N];
+        for (Py_ssize_t j = 0; j < n; ++j)
+            if (out[j] == PROBE) {
+                cell[j] = table_.home(keys[j]);
+                table_.prefetch(cell[j]);
+            }
+        for (Py_ssize_t j = 0; j < n; ++j)
+            if (out[j] == PROBE) {
+                int32_t s = table_.first(cell[j]);
+                if (s >= 0) {
+                    KVBM_PREFETCH(&keys_[size_t(s)]);
+                    KVBM_PREFETCH(&state_[size_t(s)]);
+                }
+            }
+        for (Py_ssize_t j = 0; j < n; ++j)
+            if (out[j] == PROBE) out[j] = table_.find_from(cell[j], keys[j], keys_);
+    }
+    if (n) after = out[n - 1];
+    if (registered)
+        for (Py_ssize_t j = 0; j < n; ++j)
+            if (out[j] >= 0 && state_[size_t(out[j])] != REGISTERED) out[j] = -1;
 }
 
 void BlockIndex::map(int32_t s, const Key &k) {
@@ -156,9 +185,10 @@ void BlockIndex::not_held(const Keys &keys, const char *call) const {
     bool all[IdGroup::N];
     std::fill(all, all + IdGroup::N, true);
     int32_t found[IdGroup::N];
+    int32_t after = -1;
     for (size_t i = 0; i < keys.size(); i += IdGroup::N) {
         Py_ssize_t n = Py_ssize_t(std::min(keys.size() - i, size_t(IdGroup::N)));
-        find_group(keys.data() + i, all, n, false, found);
+        find_group(keys.data() + i, all, n, false, found, after);
         for (Py_ssize_t j = 0; j < n; ++j)
             if (found[j] >= 0) throw BlockStateError(std::string(call) + ": block " + hex(keys[i + size_t(j)]) + " is held already");
     }

@@ -44,9 +44,11 @@ nb::bytes held_by(nb::handle ids, nb::handle index_seq, bool touch) {
     std::vector<kvbm::Key> keys;  // of the run, for ``touch``'s ``remember``
     kvbm::IdGroup g;
     int32_t found[8][kvbm::IdGroup::N];
+    int32_t after[8];  // per index, the slot of the id before the group
+    std::fill(after, after + 8, BlockIndex::FIRST_OF_BATCH);
     for (Py_ssize_t i = 0; i < it.n; i += kvbm::IdGroup::N) {
         g.read(it.items, it.n, i);
-        for (size_t t = 0; t < count; ++t) indexes[t]->find_group(g.key, g.ok, g.n, true, found[t]);
+        for (size_t t = 0; t < count; ++t) indexes[t]->find_group(g.key, g.ok, g.n, true, found[t], after[t]);
         Py_ssize_t j = 0;
         for (; j < g.n; ++j) {
             if (!g.ok[j]) kvbm::bad_id(it.items[i + j]);

@@ -128,12 +128,20 @@ class IndexMachine(RuleBasedStateMachine):
 
     def ids(self, data, model, want="new"):
         """A batch of ids: distinct ones ``want``ed (``new`` to the model, ``registered`` there, or any pool id),
-        now and then one from anywhere, a repeat or a bad id; 0, a few, or several times the capacity."""
+        now and then one from anywhere, a repeat or a bad id; 0, a few, or several times the capacity. Often the
+        keys of a window of slots in slot order, those held there now and those that left (a run stored together,
+        looked up again: the index tries each id's predecessor's next slot before its table)."""
         held = {model.key[s] for s in model.lru} if want == "registered" else set(model.table)
         base = [k for k in POOL if (k in held) == (want == "registered")] if want != "any" else POOL
-        size = data.draw(st.sampled_from([0, 1, 2, 3, 5, 8, 3 * self.cap + 3, 40]), label="batch")  # 40: 3 groups
-        keys = data.draw(st.lists(st.sampled_from(base or POOL), min_size=min(size, len(base or POOL)),
-                                  max_size=size, unique=True))
+        if self.cap and data.draw(st.integers(0, 2), label="in slot order?") == 0:
+            first = data.draw(st.integers(0, self.cap - 1))
+            window = range(first, data.draw(st.integers(first + 1, self.cap)))
+            keys = list(dict.fromkeys(model.key[s] for s in window if model.key[s] is not None
+                                      and (want == "any" or (model.key[s] in held) == (want == "registered"))))
+        else:
+            size = data.draw(st.sampled_from([0, 1, 2, 3, 5, 8, 3 * self.cap + 3, 40]), label="batch")  # 40: 3 groups
+            keys = data.draw(st.lists(st.sampled_from(base or POOL), min_size=min(size, len(base or POOL)),
+                                      max_size=size, unique=True))
         if keys and data.draw(st.integers(0, 5), label="one from anywhere?") == 0:
             keys[data.draw(st.integers(0, len(keys) - 1))] = data.draw(st.sampled_from(POOL))
         batch = [data.draw(id_forms(k)) for k in keys]

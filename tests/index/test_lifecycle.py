@@ -26,6 +26,24 @@ def test_full_lifecycle_of_a_batch():
     assert index.reserve([IDS[1]])[0] == [1]  # a dropped block's slot is reusable
 
 
+def test_a_lookup_finds_a_run_in_its_next_slots_and_only_what_a_slot_holds_now():
+    """Ids stored together sit in consecutive slots, so a lookup tries the slot after the previous id's before
+    the table. A block that left its slot (its bytes still there) is not found in it; one stored elsewhere since
+    is found through the table, and the run goes on from there."""
+    a, b, c, d = IDS[:4]
+    index = BlockIndex(8)
+    slots, _ = index.reserve([a, b, c])
+    index.commit(slots, ["a", "b", "c"])
+    assert slots == [0, 1, 2] and index.run([a, b, c]) == 3 and index.slots([a, b, c]) == [0, 1, 2]
+    index.remove([b])  # slot 1 still has b's key in it: unmapped, it holds nothing
+    assert index.missing([a, b, c]) == [1] and index.run([a, b, c]) == 1 and index.flags([a, b, c]) == b"\x01\x00\x01"
+    assert held_by([a, b, c], [index], False) == b"\x01"
+    index.commit(index.reserve([d])[0], ["d"])  # d takes slot 1 (the lowest free)
+    index.commit(index.reserve([b])[0], ["b2"])  # b comes back in slot 3
+    assert index.slots([a, b, c, d]) == [0, 3, 2, 1] and index.run([a, b, c]) == 3 and index.missing([a, d, b]) == []
+    assert list(index.pin([a, b, c])) == [0, 3, 2] and index.payloads([a, b, c]) == ["a", "b2", "c"]
+
+
 def test_abort_frees_a_copys_slots_and_leaves_registered_ones_alone():
     index = BlockIndex(4)
     slots, _ = index.reserve(IDS[:3])
