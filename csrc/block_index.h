@@ -113,9 +113,8 @@ class BlockIndex {
     // ascending order), so each key is first looked for in the slot after the previous key's, with no table
     // probe (its key and state lie next to the ones just read); ``after`` is the slot of the key before
     // ``keys[0]`` (-1: not held; ``FIRST_OF_BATCH``: there is none) and becomes ``keys[n-1]``'s. The keys not
-    // found that way are probed as a group:
-    // every home cell is fetched, then every first candidate's key and state, before any is compared, so
-    // their cache misses overlap (``held_by`` calls it once per index).
+    // found that way are probed as a group: every home cell is fetched, then every first candidate's key and
+    // state, before any is compared, so their cache misses overlap (``held_by`` calls it once per index).
     void find_group(const Key *keys, const bool *ok, Py_ssize_t n, bool registered, int32_t *out,
                     int32_t &after) const;
     static constexpr int32_t FIRST_OF_BATCH = -3;
