@@ -21,16 +21,20 @@ not counted; the wait for a load's layers (``load wait``: in a server the forwar
 while they load; here there is no forward) is shown apart and not counted. HiCache's copies run inside its
 calls on CPU (``copies``, taken out of its total: on a GPU they are kernels on a side
 stream). Between requests the linker's copies in flight finish (untimed), as they
-would behind a forward; ``--no-gap`` leaves no such time, so nodes stay locked by
+would behind a forward; their hand-over to the copy thread (``Offloads.flush``: the
+first thing a server's per-step poll does, and it wakes that thread) is timed, in
+``check_hicache_events``. ``--no-gap`` leaves no such time, so nodes stay locked by
 offloads and loads find no room. ``--profile`` splits each cache's time by whose code
 it is (cProfile: SGLang, this library, PyTorch). Torch runs one intra-op thread
 (``--threads``): on 2 cores OpenMP's spinning threads starve the scheduler thread
 whenever a copy runs, which a GPU server's copies do not. ``--events`` turns KV
 events on (the tree's and the tiers'), as in a worker behind Dynamo's router.
 
-This VM's timings drift by up to ±30% within minutes, so the caches take turns
-over ``--rounds`` rounds: each figure is its median across rounds, each ratio
-the median of the rounds' own ratios (with its range).
+This VM's timings drift by up to ±30% within minutes, so the caches run side by
+side, a request at a time each in turn (``lockstep``: a slow second hits all of
+them), over ``--rounds`` rounds: each figure is its median across rounds, each
+ratio the median of the rounds' own ratios (with its range). Each cache warms up
+alone on the trace's first 50 requests first.
 
     python benchmarks/critical_path.py                      # ~2 minutes (3 rounds of 1500 requests)
     python benchmarks/critical_path.py --requests 600 --rounds 5 --events
@@ -120,10 +124,28 @@ def build(kind: str, pool_tokens: int, host_blocks: int, page: int, events: bool
 def replay(cache, allocator, requests, linked: bool, page: int, prof=None, gap: bool = True) -> dict[str, float]:
     spent: dict[str, float] = defaultdict(float)
     with copy_thread_cpu() as describe_cpu:
-        _replay(cache, allocator, requests, linked, page, prof, gap, spent)
+        for _ in steps(cache, allocator, requests, linked, page, prof, gap, spent):
+            pass
+    return totals(spent, describe_cpu[0])
+
+
+def totals(spent: dict[str, float], describe_cpu: float) -> dict[str, float]:
     spent["total"] = sum(spent.get(call, 0.0) for call in CALLS)  # the load wait is not a cache call's own time
-    spent["describe_cpu"] = describe_cpu[0]
+    spent["describe_cpu"] = describe_cpu
     return spent
+
+
+def lockstep(replays) -> None:
+    """Run replays (``steps`` generators) a request at a time, each in turn, who goes first rotating: a slow
+    second of this VM hits every cache alike, so their ratios hold where each one's figure drifts."""
+    live = list(replays)
+    turn = 0
+    while live:
+        first = turn % len(live)
+        for replay_steps in live[first:] + live[:first]:
+            if next(replay_steps, StopIteration) is StopIteration:
+                live.remove(replay_steps)
+        turn += 1
 
 
 @contextlib.contextmanager
@@ -147,7 +169,8 @@ def copy_thread_cpu():
         InsertContext.describe = original
 
 
-def _replay(cache, allocator, requests, linked, page, prof, gap, spent) -> None:
+def steps(cache, allocator, requests, linked, page, prof, gap, spent):
+    """``replay`` a request at a time (``lockstep``): each ``next`` runs one, timing its calls into ``spent``."""
 
     def timed(name, fn, *args):
         if prof is not None:  # the profile: the cache calls' code only
@@ -163,9 +186,13 @@ def _replay(cache, allocator, requests, linked, page, prof, gap, spent) -> None:
 
     hits = {"device": 0, "host": 0}
     for i, tokens in enumerate(requests):
+        yield
         if linked:
             if gap:  # the forward the copies run behind in a server: the previous request's copies are done (untimed)
-                cache.linker.cache_linker.manager.wait(30)
+                manager = cache.linker.cache_linker.manager
+                # but their hand-over to the copy thread, which wakes it, is the first thing a server's poll does
+                timed("check_hicache_events", manager.offloads.flush)
+                manager.wait(30)
             timed("check_hicache_events", cache.check_hicache_events)
         req = Req(f"r{i}", "", array("q", tokens), SamplingParams(max_new_tokens=1))
         key = RadixKey(array("q", tokens), limit=len(tokens) - 1)
@@ -282,24 +309,44 @@ def main(argv=None) -> int:
           f"{'on' if args.events else 'off'}, {args.rounds} rounds")
     per_round: dict[str, list[dict]] = defaultdict(list)
     splits = {}
-    for round_no in range(args.rounds):  # the caches take turns, so a slow minute of this VM hits each of them alike
+
+    def play(kind, built, part, spent):
+        """``kind``'s replay of ``part`` on ``built`` (``build``'s), as ``steps`` generators do it."""
+        cache, allocator, _ = built
+        if kind == "HiRadixCache":
+            return hicache_inproc.steps(cache, allocator, part, page, spent)
+        return steps(cache, allocator, part, kind.endswith("KvbmLinker"), page, None, not args.no_gap, spent)
+
+    def close(kind, built) -> None:
+        if built[2] is not None:
+            built[2].close()
+        if kind == "HiRadixCache":
+            hicache_inproc.close(built[0])
+
+    order = sorted(KINDS, key=lambda kind: kind == "HiRadixCache")  # HiCache built last: its runtime context stays
+    for round_no in range(args.rounds):
+        for kind in order:  # a warm-up of each cache alone
+            built = build(kind, args.pool, host_blocks, page, args.events)
+            lockstep([play(kind, built, requests[:50], defaultdict(float))])
+            close(kind, built)
+        # The run: every cache at once, a request at a time, in turn (``lockstep``).
+        caches = {kind: build(kind, args.pool, host_blocks, page, args.events) for kind in order}
+        spent = {kind: defaultdict(float) for kind in KINDS}
+        with copy_thread_cpu() as describe_cpu:  # only the linker's copy threads describe pages
+            lockstep([play(kind, caches[kind], requests, spent[kind]) for kind in KINDS])
         for kind in KINDS:
             linked = kind.endswith("KvbmLinker")
-            run = (lambda c, a, r, prof=None: hicache_inproc.replay(c, a, r, page)) if kind == "HiRadixCache" else (
-                lambda c, a, r, prof=None: replay(c, a, r, linked, page, prof, not args.no_gap))
-            for warm, part in ((True, requests[:50]), (False, requests)):  # a warm-up, then the run
-                cache, allocator, owner = build(kind, args.pool, host_blocks, page, args.events)
-                spent = run(cache, allocator, part)
-                if not warm:
-                    per_round[kind].append(spent)
-                if owner is not None:
-                    owner.close()
+            per_round[kind].append(spent[kind] if kind == "HiRadixCache" else
+                                   totals(spent[kind], describe_cpu[0] if linked else 0.0))
+        for kind in reversed(order):
+            close(kind, caches[kind])
+        if args.profile and round_no == 0:
+            for kind in KINDS:
                 if kind == "HiRadixCache":
-                    hicache_inproc.close(cache)
-            if args.profile and round_no == 0 and kind != "HiRadixCache":
+                    continue
                 cache, allocator, owner = build(kind, args.pool, host_blocks, page, args.events)
                 prof = cProfile.Profile()
-                replay(cache, allocator, requests, linked, page, prof)
+                replay(cache, allocator, requests, kind.endswith("KvbmLinker"), page, prof)
                 splits[kind] = profile_split(prof)
                 if os.environ.get("KVBM_BENCH_PROFILE_DUMP"):  # the whole profile, for pstats (a developer's look)
                     prof.dump_stats(f"{os.environ['KVBM_BENCH_PROFILE_DUMP']}-{kind.replace('+', '_')}.prof")

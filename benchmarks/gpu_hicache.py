@@ -123,7 +123,7 @@ class HiCache:
         self.tree.evict(EvictParams(num_tokens=self.pool_tokens))
 
     def prefix(self, tokens, rid: str) -> Hit:
-        """Admission: match, load back from host (layer-wise, started), lock; as ``hicache_inproc.replay``."""
+        """Admission: match, load back from host (layer-wise, started), lock; as ``hicache_inproc.steps``."""
         from sglang.srt.managers.schedule_batch import Req
         from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, MatchPrefixParams
         from sglang.srt.mem_cache.radix_cache import RadixKey

@@ -20,7 +20,6 @@ from __future__ import annotations
 import atexit
 import time
 from array import array
-from collections import defaultdict
 
 import torch
 from sglang.srt.managers.schedule_batch import Req
@@ -81,10 +80,10 @@ def close(cache) -> None:
     publish(ServerArgs(model_path="dummy", device="cpu"), role="tokenizer")  # the next cache is built plainly
 
 
-def replay(cache, allocator, requests, page: int) -> dict[str, float]:
-    """``critical_path.replay``'s trace, with HiCache's calls: ``load_wait`` is the load's finish event, ``copies``
-    the copies that ran inside the timed calls."""
-    spent: dict[str, float] = defaultdict(float)
+def steps(cache, allocator, requests, page: int, spent: dict[str, float]):
+    """``critical_path.steps``' trace with HiCache's calls, a request each ``next`` (``critical_path.lockstep``);
+    ``spent`` is complete when it is exhausted: ``load_wait`` is the load's finish event, ``copies`` the copies that
+    ran inside the timed calls."""
     copies_before = COPIES["seconds"]
 
     def timed(name, fn, *args):
@@ -96,6 +95,7 @@ def replay(cache, allocator, requests, page: int) -> dict[str, float]:
     hits = {"device": 0, "host": 0}
     counter = cache.cache_controller.layer_done_counter
     for i, tokens in enumerate(requests):
+        yield
         timed("check_hicache_events", cache.check_hicache_events)  # writing_check, loading_check
         req = Req(f"r{i}", "", array("q", tokens), SamplingParams(max_new_tokens=1))
         result = timed("match_prefix", cache.match_prefix,
@@ -136,4 +136,3 @@ def replay(cache, allocator, requests, page: int) -> dict[str, float]:
     spent["total"] = sum(v for k, v in spent.items() if k not in ("finish_loads_wait", "copies")) - spent["copies"]
     spent["device_hit_tokens"] = hits["device"]
     spent["host_hit_tokens"] = hits["host"]
-    return spent
