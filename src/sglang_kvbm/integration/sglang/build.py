@@ -131,8 +131,8 @@ def warn_small_pages(page_size: int, block_bytes: int) -> None:
     if page_size >= SMALL_PAGE:
         return
     header = DiskStore.header_bytes_for(page_size)
-    measured = (" (on the project's CPU benchmark, against SGLang's HiCache on the same trace: 1.8-2.2x its cache "
-                "calls per request at --page-size 1, 0.79-0.85x at --page-size 16)" if page_size == 1 else "")
+    measured = (" (on the project's CPU benchmark, against SGLang's HiCache on the same trace: 1.7-1.8x its cache "
+                "calls per request at --page-size 1, 0.85-0.88x at --page-size 16)" if page_size == 1 else "")
     logger.warning(
         "kvbm: --page-size %d makes every %s a block, and this library's scheduler-thread work is per block: a "
         "request's cache calls cost several times what they cost at --page-size 16%s; each disk block also carries "
